@@ -1,0 +1,93 @@
+"""Tiny random HuggingFace-format models with a character-level tokenizer, built locally.
+
+No model hub is reachable, so tests and the default config use models written by
+`write_tiny_model`: a random-initialised Qwen3 / Qwen2 / Llama causal LM (GQA, RMSNorm, SwiGLU,
+RoPE) saved with `save_pretrained`, plus a `tokenizers`-built character tokenizer with a chat
+template, loadable by `transformers.AutoTokenizer` and by vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+ARCHS = ("qwen3", "qwen2", "llama")
+
+# Shape presets; head_dim 32 because vLLM's CPU attention kernels support only a few head sizes.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, intermediate_size=256),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=32, intermediate_size=512),
+}
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The characters the tiny tasks need; a small alphabet keeps a random model's reward non-zero.
+CHARACTERS = list(" \n" + string.ascii_lowercase + string.digits + "#*@+%&=~?!.,:-/()")
+VOCAB_SIZE = 64  # padded with unused tokens so TP ranks split the vocabulary evenly
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer_json() -> str:
+    """Return the `tokenizer.json` text of the character-level tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
+
+    tokens = SPECIAL_TOKENS + CHARACTERS
+    tokens += [f"<unused_{i}>" for i in range(VOCAB_SIZE - len(tokens))]
+    assert len(tokens) == VOCAB_SIZE, "alphabet outgrew VOCAB_SIZE"
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters concatenate back without separators
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok.to_str()
+
+
+def _hf_config(arch: str, preset: str, seed_dtype: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    shape = dict(PRESETS[preset])
+    common = dict(
+        vocab_size=VOCAB_SIZE, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=2, eos_token_id=4, pad_token_id=0, dtype=seed_dtype,
+        **shape,
+    )
+    if arch == "qwen3":
+        return Qwen3Config(attention_bias=False, **common)
+    if arch == "qwen2":
+        common.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads
+        return Qwen2Config(**common)
+    return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "tiny", seed: int = 0) -> Path:
+    """Write a random-initialised model, tokenizer and chat template to `out_dir`; return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch: unknown architecture {arch!r}; choose one of {ARCHS}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset: unknown preset {preset!r}; choose one of {tuple(PRESETS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = _hf_config(arch, preset, "float32")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "tokenizer.json").write_text(build_tokenizer_json())
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "model_max_length": 512, "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {k: tokenizer_config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 4, "pad_token_id": 0}))
+    return out
