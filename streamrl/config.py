@@ -1,0 +1,200 @@
+"""Typed run configuration: one YAML file, dotted command-line overrides, validation naming the key.
+
+Every component owns a section; every field carries a description. Unknown keys and bad values
+raise `ConfigError` whose message names the dotted key (`rollout.n: ...`). This module imports no
+torch/vLLM/Megatron so `streamrl --help` and config checks stay fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the offending key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("streamrl", description="Run name, used for the W&B run and Redis key prefix.")
+    dir: Path = Field(Path("runs/default"), description="Run directory: resolved config, Redis AOF, W&B files.")
+    seed: int = Field(0, description="Seed for prompts, sampling and model initialisation.")
+
+
+class TinyModelInit(_Section):
+    arch: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="Architecture of the random model.")
+    preset: Literal["tiny", "small"] = Field("tiny", description="Shape preset (streamrl.models.tiny.PRESETS).")
+
+
+class ModelConfig(_Section):
+    path: Path = Field(description="HuggingFace-format model directory (config.json, safetensors, tokenizer).")
+    init_if_missing: TinyModelInit | None = Field(
+        None, description="If set and `path` has no config.json, write a random tiny model there first."
+    )
+
+
+class TaskConfig(_Section):
+    name: Literal["symbols", "math"] = Field("symbols", description="Reward function and default prompts.")
+    prompts_file: Path | None = Field(None, description="JSONL or Parquet file of prompts (required for math).")
+    prompt_key: str = Field("prompt", description="Field of a prompts_file row holding the prompt text.")
+    answer_key: str = Field("answer", description="Field of a prompts_file row holding the reference answer.")
+    target_length: int = Field(12, gt=0, description="symbols: copies of the symbol that earn the full reward.")
+
+
+class RolloutConfig(_Section):
+    engines: int = Field(1, ge=1, description="Number of vLLM engine actors.")
+    n: int = Field(8, ge=2, description="Responses sampled per prompt (one GRPO group).")
+    prompts_per_batch: int = Field(8, ge=1, description="Prompts an engine submits to vLLM at once.")
+    max_tokens: int = Field(12, ge=1, description="Maximum response tokens.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (1.0 samples the policy itself).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 keeps the policy's distribution.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="vLLM compute dtype.")
+    kv_cache_bytes: int = Field(64 << 20, gt=0, description="KV cache budget per engine, bytes (bounded on CPU).")
+    max_model_len: int = Field(256, gt=0, description="Longest prompt + response an engine accepts.")
+    start_timeout_s: float = Field(300.0, gt=0, description="Bound on an engine's start-up.")
+
+
+class LearnerConfig(_Section):
+    tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size.")
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x DP.")
+    master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
+    collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
+    step_timeout_s: float = Field(600.0, gt=0, description="Bound on one learner step seen from the driver.")
+
+
+class LossConfig(_Section):
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range around the proximal policy ratio.")
+    importance_cap: float = Field(2.0, ge=1.0, description="C in the truncated IS weight min(pi_old/pi_behav, C).")
+    normalization: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean", description="Loss average over all response tokens or all sequences of the global step."
+    )
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+
+
+class QueueConfig(_Section):
+    url: str | None = Field(None, description="redis:// or rediss:// URL; unset starts an embedded server.")
+    password_env: str = Field("REDIS_PASSWORD", description="Environment variable holding the Redis password.")
+    appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="Embedded server AOF fsync.")
+    max_staleness: int = Field(4, ge=0, description="Drop groups whose oldest token is more versions behind.")
+    max_backlog: int = Field(256, ge=1, description="Producers wait while this many groups are unconsumed.")
+    read_block_ms: int = Field(1000, gt=0, description="Longest single blocking XREADGROUP.")
+    reclaim_idle_ms: int = Field(60_000, gt=0, description="Pending entries idle this long are reclaimed.")
+    max_entry_bytes: int = Field(64 << 20, gt=0, description="Largest wire entry accepted by the decoder.")
+    wait_timeout_s: float = Field(300.0, gt=0, description="Bound on waiting for a step's groups or for backlog.")
+
+
+class BatchingConfig(_Section):
+    groups_per_step: int = Field(8, ge=1, description="GRPO groups consumed by one optimizer step.")
+    max_tokens_per_microbatch: int = Field(4096, gt=0, description="Token budget of one forward/backward.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(40, ge=1, description="Optimizer steps before the job exits.")
+    publish_every: int = Field(1, ge=1, description="Publish weights to the engines every this many steps.")
+    publish_bucket_bytes: int = Field(16 << 20, gt=0, description="Payload bytes per weight bucket.")
+    publish_timeout_s: float = Field(120.0, gt=0, description="Bound on one publish reaching every engine.")
+
+
+class WandbConfig(_Section):
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description="W&B mode (offline by default).")
+    project: str = Field("streamrl", description="W&B project.")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        if self.task.name == "math" and self.task.prompts_file is None:
+            raise ValueError("task.prompts_file: required when task.name is 'math'")
+        if self.task.name == "symbols" and self.task.target_length > self.rollout.max_tokens:
+            raise ValueError(
+                f"task.target_length: {self.task.target_length} exceeds rollout.max_tokens {self.rollout.max_tokens}"
+            )
+        if self.queue.url is not None and not self.queue.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"queue.url: expected redis://, rediss:// or unix://, got {self.queue.url!r}")
+        return self
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        if err["type"] == "value_error":  # cross-field checks already name their key
+            lines.append(str(err["ctx"]["error"]))
+            continue
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        else:
+            lines.append(f"{key}: {err['msg']} (got {err['input']!r})")
+    return "; ".join(lines)
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (so `3`, `true`, `[1,2]` are typed)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key.sub=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {override!r}: empty key segment")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def build_config(tree: dict[str, Any]) -> Config:
+    """Validate a nested dict into a Config; raise ConfigError naming every bad key."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config, apply dotted overrides, validate."""
+    text = Path(path).read_text()
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for override in overrides:
+        apply_override(tree, override)
+    return build_config(tree)
+
+
+def save_resolved(config: Config, run_dir: Path) -> Path:
+    """Write the fully resolved config (defaults filled in) to `run_dir/config.yaml`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    out.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return out

@@ -1,0 +1,121 @@
+"""vLLM worker extension: apply a whole policy version of weight buckets in place.
+
+Contract
+--------
+`WeightReloadExtension` is passed to vLLM as `worker_extension_cls` (by dotted path) and mixed
+into every worker; its methods run there through `LLM.collective_rpc`:
+
+- `streamrl_apply_buckets(buckets)` takes the safetensors blobs of ONE complete version (HF
+  checkpoint names, e.g. `model.layers.0.self_attn.q_proj.weight`) and loads them in a single
+  layerwise-reload sequence: `initialize_layerwise_reload(model)` → `model.load_weights(...)` for
+  every tensor → `finalize_layerwise_reload(model, model_config)`. Before anything is touched,
+  every name must be a parameter of the HF checkpoint with the checkpoint's shape, no name may
+  repeat, and every checkpoint tensor must be present; otherwise `ValueError` (naming the tensor)
+  and the old weights stay intact. Completeness is required because vLLM fuses HF tensors
+  (q/k/v → qkv_proj, gate/up → gate_up_proj) and a layer that gets only part of its tensors
+  before finalize is processed from partly uninitialised storage. Returns
+  `{"num_tensors", "num_bytes", "checksum"}` where checksum is the float64 sum of all received
+  values, so the caller can compare it with the sender's.
+- `streamrl_weight_checksum()` returns the float64 sum of every parameter of the live model
+  (a cheap "did the weights change" probe for tests).
+
+vLLM asserts that no extension attribute collides with a Worker attribute (the Worker already has
+e.g. `reload_weights`), hence the `streamrl_` prefix on every method.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamrl.weights.buckets import unpack_bucket
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Return {HF tensor name: shape} of the safetensors checkpoint in `model_dir` (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model path {str(model_dir)!r}: no *.safetensors files to validate weight names against")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def validate_version(
+    tensors: list[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], optional: set[str]
+) -> None:
+    """Raise ValueError unless `tensors` is exactly one full, well-shaped copy of the checkpoint."""
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name not in shapes:
+            raise ValueError(f"weight bucket: unknown tensor {name!r} (not a parameter of the model checkpoint)")
+        if name in seen:
+            raise ValueError(f"weight bucket: tensor {name!r} appears more than once in one version")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"weight bucket: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {shapes[name]}"
+            )
+        if not tensor.is_floating_point():
+            raise ValueError(f"weight bucket: tensor {name!r} has non-float dtype {tensor.dtype}")
+        seen.add(name)
+    missing = sorted(set(shapes) - optional - seen)
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        raise ValueError(f"weight bucket: version is incomplete, {len(missing)} tensors missing (e.g. {shown})")
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
+
+    def streamrl_apply_buckets(self, buckets: list[bytes]) -> dict[str, Any]:
+        """Validate then load one complete version from safetensors `buckets`; see module docstring."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
+        shapes, optional = self._streamrl_expected_shapes()
+        # Decode and validate everything first: once initialize_layerwise_reload has moved the
+        # layers to meta tensors there is no way back to the old weights.
+        tensors = [pair for blob in buckets for pair in unpack_bucket(blob)]
+        validate_version(tensors, shapes, optional)
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            initialize_layerwise_reload(model)
+            model.load_weights(tensors)
+            finalize_layerwise_reload(model, model_config)
+        return {
+            "num_tensors": len(tensors),
+            "num_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+            "checksum": float(sum(t.double().sum().item() for _, t in tensors)),
+        }
+
+    def streamrl_weight_checksum(self) -> float:
+        """Float64 sum of all parameters of the live (vLLM-layout) model."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            return float(sum(p.double().sum().item() for p in model.parameters()))
+
+    def _streamrl_expected_shapes(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """Checkpoint names/shapes (read once, then cached) and the names a version may omit."""
+        cached = getattr(self, "_streamrl_shape_cache", None)
+        if cached is None:
+            model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
+            shapes = checkpoint_shapes(model_config.model)
+            optional: set[str] = set()
+            # Tied checkpoints usually omit lm_head.weight, yet a learner may still publish it;
+            # vLLM's loader skips it when tied, so accept it (optionally) with the embedding's shape.
+            embed = "model.embed_tokens.weight"
+            tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+            if tied and "lm_head.weight" not in shapes and embed in shapes:
+                shapes["lm_head.weight"] = shapes[embed]
+                optional.add("lm_head.weight")
+            cached = (shapes, optional)
+            self._streamrl_shape_cache = cached
+        return cached

@@ -1,0 +1,63 @@
+"""Objects that cross a stage boundary: rollout → queue → batching → learner.
+
+Arrays are numpy so the codec can move them as raw little-endian bytes and decode them without
+copies. Every token carries the policy version it was sampled under (invariant 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """One sampled response to a prompt."""
+
+    response_ids: np.ndarray  # int32[T]    sampled response tokens
+    logprobs: np.ndarray  # float32[T]  behaviour-policy logprob of each response token (from vLLM)
+    versions: np.ndarray  # int32[T]    policy version each token was sampled under
+    reward: float  # task reward of the whole response
+    finish_reason: str  # "stop" (EOS) or "length" (max_tokens reached)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"trajectory: response_ids ({n}), logprobs ({len(self.logprobs)}) and versions "
+                f"({len(self.versions)}) must have equal lengths"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryGroup:
+    """All responses to one prompt: the unit of GRPO normalisation, of queueing and of acking."""
+
+    group_id: str  # globally unique; recorded with the step that trained on it
+    engine_id: str  # which rollout engine produced it
+    prompt_ids: np.ndarray  # int32[P]  prompt tokens (chat template applied)
+    trajectories: tuple[Trajectory, ...]  # n responses
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version of any token in the group (drives the staleness rule)."""
+        return min((int(t.versions.min()) for t in self.trajectories if len(t.versions)), default=0)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        """float32[n] reward of each response."""
+        return np.array([t.reward for t in self.trajectories], dtype=np.float32)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus response tokens over all responses (what the learner processes)."""
+        return sum(len(self.prompt_ids) + len(t.response_ids) for t in self.trajectories)
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumedGroup:
+    """A group as delivered to a learner: the entry id is what gets acked after the step commits."""
+
+    entry_id: str  # Redis stream entry id
+    group: TrajectoryGroup
