@@ -61,3 +61,19 @@ class ConsumedGroup:
 
     entry_id: str  # Redis stream entry id
     group: TrajectoryGroup
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One forward/backward of the learner: right-padded sequences with per-label-position fields.
+
+    Position j of row b predicts `labels[b, j]` from `input_ids[b, :j+1]`; fields are zero where
+    `loss_weight` is zero (prompt tokens and padding).
+    """
+
+    input_ids: np.ndarray  # int64[B, S]   prompt + response tokens, right-padded
+    labels: np.ndarray  # int64[B, S]   next token at each position
+    position_ids: np.ndarray  # int64[B, S]   0..S-1
+    loss_weight: np.ndarray  # float32[B, S] share of the global-step loss (sums to 1 over the step)
+    advantages: np.ndarray  # float32[B, S] GRPO advantage of the row's response
+    behaviour_logprobs: np.ndarray  # float32[B, S] engine logprob of each label (response positions)

@@ -1,0 +1,59 @@
+"""Command line: `streamrl train -c CONFIG [key.sub=value ...]` and `streamrl init-model OUT`.
+
+Imports only the config module up front so `--help` and config errors answer at once; a bad
+config exits with status 2 and a message naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from streamrl.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrl", description="Asynchronous streaming RL trainer for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run a training job from a YAML config")
+    train.add_argument("-c", "--config", required=True, type=Path, help="YAML run config (see configs/)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10 rollout.n=4")
+    train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    check = sub.add_parser("check-config", help="validate a config and print it fully resolved")
+    check.add_argument("-c", "--config", required=True, type=Path)
+    check.add_argument("overrides", nargs="*")
+    init = sub.add_parser("init-model", help="write a random tiny HF model with a character tokenizer")
+    init.add_argument("out", type=Path, help="output directory")
+    init.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))
+    init.add_argument("--preset", default="tiny", choices=("tiny", "small"))
+    init.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "init-model":
+        from streamrl.models.tiny import write_tiny_model
+
+        print(write_tiny_model(args.out, args.arch, args.preset, args.seed))
+        return 0
+    try:
+        config = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"streamrl: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        import yaml
+
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    from streamrl.orchestrate.train import train
+
+    result = train(config, show_progress=not args.no_progress)
+    print(result.summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""One learner rank: a Megatron GPTModel shard that trains on groups from the Redis stream.
+
+Per `step()`: rank 0 reads and admits `groups_per_step` groups (dropping, and counting, groups
+whose oldest token is more than `max_staleness` versions behind) and broadcasts their wire bytes to
+every rank; each data-parallel rank runs its micro-batches (forward recomputes log-probs, PPO-clip
+loss with truncated IS, backward), gradients are summed over data-parallel ranks, clipped by the
+global norm and applied. Only after every rank has stepped does rank 0 commit (ack + record ids).
+`export_weights()` streams the full model in HF names, tensor by tensor, packed into buckets.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from streamrl.batching.microbatch import plan_step
+from streamrl.config import Config
+from streamrl.learner.convert import hf_to_megatron, load_hf_checkpoint, stream_hf_weights
+from streamrl.learner.cpu_compat import apply_cpu_compat
+from streamrl.learner.logprobs import token_logprobs
+from streamrl.learner.model import build_gpt_model
+from streamrl.learner.parallel import init_parallel
+from streamrl.loss.grpo import PolicyLossStats, policy_loss
+from streamrl.queue.codec import decode_group, encode_group
+from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, connect
+from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
+from streamrl.weights.buckets import pack_buckets
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LearnerWorker:
+    def __init__(self, config: Config, rank: int, world_size: int, master_addr: str, master_port: int,
+                 redis_url: str, redis_password: str | None):  # fmt: skip
+        from megatron.core import parallel_state
+
+        self.config, self.rank = config, rank
+        torch.set_num_threads(1)  # ranks share the machine's cores with the engines
+        apply_cpu_compat()
+        init_parallel(rank, world_size, config.learner.tensor_parallel, master_addr, master_port,
+                      config.learner.collective_timeout_s, config.run.seed)  # fmt: skip
+        self.ps = parallel_state
+        self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
+        self.model = build_gpt_model(self.hf_config)
+        shard = hf_to_megatron(hf_state, self.hf_config, parallel_state.get_tensor_model_parallel_rank(),
+                               parallel_state.get_tensor_model_parallel_world_size())  # fmt: skip
+        missing, unexpected = self.model.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"learner: checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas,
+                                           weight_decay=opt.weight_decay)  # fmt: skip
+        self.version = 0  # policy version of the current weights: number of optimizer steps taken
+        self.consumer: TrajectoryConsumer | None = None
+        if rank == 0:
+            self.consumer = TrajectoryConsumer(connect(redis_url, redis_password), QueueKeys(config.run.name),
+                                               "learner-0", config.queue.reclaim_idle_ms,
+                                               config.queue.max_entry_bytes)  # fmt: skip
+        self.dropped_stale = 0
+
+    def ready(self) -> int:
+        return self.rank
+
+    # -- data -------------------------------------------------------------------------------------
+    def _admit(self) -> list[ConsumedGroup]:
+        """Rank 0: read until `groups_per_step` fresh-enough groups are in hand (bounded wait)."""
+        assert self.consumer is not None
+        want, queue = self.config.batching.groups_per_step, self.config.queue
+        admitted: list[ConsumedGroup] = []
+        deadline = time.monotonic() + queue.wait_timeout_s
+        while len(admitted) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"learner: got {len(admitted)}/{want} groups in {queue.wait_timeout_s}s")
+            got = self.consumer.read(want - len(admitted), queue.read_block_ms)
+            floor = self.version - queue.max_staleness
+            stale = [c for c in got if c.group.min_version < floor]
+            self.consumer.drop(stale)
+            self.dropped_stale += len(stale)
+            admitted += [c for c in got if c.group.min_version >= floor]
+        return admitted
+
+    def _broadcast_groups(self, admitted: list[ConsumedGroup]) -> list[TrajectoryGroup]:
+        """Every rank gets the step's groups as wire bytes (rank 0 → all): no pickle between ranks either."""
+        payload = msgpack.packb([encode_group(c.group) for c in admitted]) if self.rank == 0 else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else torch.empty(
+            int(size.item()), dtype=torch.uint8)  # fmt: skip
+        dist.broadcast(buffer, src=0)
+        if self.rank == 0:
+            return [c.group for c in admitted]
+        limit = self.config.queue.max_entry_bytes
+        return [decode_group(blob, limit) for blob in msgpack.unpackb(buffer.numpy().tobytes())]
+
+    # -- training ---------------------------------------------------------------------------------
+    def _microbatch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, PolicyLossStats]:
+        as_t = torch.from_numpy
+        logp = token_logprobs(self.model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels))
+        weight = as_t(mb.loss_weight)
+        # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
+        # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.
+        return policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), weight,
+                           self.config.loss.clip_eps, self.config.loss.importance_cap)  # fmt: skip
+
+    def _clip_and_reduce_grads(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        dp_group = self.ps.get_data_parallel_group()
+        if self.ps.get_data_parallel_world_size() > 1:
+            for p in params:  # loss weights already divide by the global step: sum, not mean
+                dist.all_reduce(p.grad, group=dp_group)
+        sharded = sum((p.grad.float().pow(2).sum() for p in params if getattr(p, "tensor_model_parallel", False)),
+                      torch.zeros(()))  # fmt: skip
+        replicated = sum((p.grad.float().pow(2).sum() for p in params if not getattr(p, "tensor_model_parallel", False)),
+                         torch.zeros(()))  # fmt: skip
+        dist.all_reduce(sharded, group=self.ps.get_tensor_model_parallel_group())
+        norm = float((sharded + replicated).sqrt())
+        coeff = self.config.optimizer.grad_clip / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                p.grad.mul_(coeff)
+        return norm
+
+    def step(self) -> dict[str, float]:
+        start = time.perf_counter()
+        admitted = self._admit() if self.rank == 0 else []
+        wait_s = time.perf_counter() - start
+        groups = self._broadcast_groups(admitted)
+        plan = plan_step(groups, self.ps.get_data_parallel_world_size(),
+                         self.config.batching.max_tokens_per_microbatch, self.config.loss.normalization)  # fmt: skip
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = np.zeros(6)
+        for mb in plan[self.ps.get_data_parallel_rank()]:
+            loss, stats = self._microbatch_loss(mb)
+            loss.backward()
+            totals += [float(loss), stats.tokens, stats.clipped, stats.truncated, stats.importance_weight,
+                       stats.behaviour_kl]  # fmt: skip
+        grad_norm = self._clip_and_reduce_grads()
+        self.optimizer.step()
+        reduced = torch.from_numpy(totals)
+        dist.all_reduce(reduced, group=self.ps.get_data_parallel_group())  # also: every DP rank has stepped
+        dist.barrier()  # every rank has applied its update before the data is acked
+        self.version += 1
+        if self.rank != 0:
+            return {}
+        assert self.consumer is not None
+        self.consumer.commit(admitted)
+        return self._metrics(groups, reduced.numpy(), grad_norm, time.perf_counter() - start, wait_s)
+
+    def _metrics(self, groups: list[TrajectoryGroup], totals: np.ndarray, grad_norm: float, step_s: float,
+                 wait_s: float) -> dict[str, float]:  # fmt: skip
+        loss, tokens, clipped, truncated, is_sum, kl_sum = totals
+        lags = np.array([self.version - 1 - g.min_version for g in groups], dtype=np.float32)
+        lengths = [len(t.response_ids) for g in groups for t in g.trajectories]
+        assert self.consumer is not None
+        return {
+            "train/loss": float(loss), "train/grad_norm": grad_norm, "train/policy_version": self.version,
+            "train/clip_fraction": clipped / max(tokens, 1), "train/is_truncated_fraction": truncated / max(tokens, 1),
+            "train/is_weight_mean": is_sum / max(tokens, 1), "train/behaviour_kl": kl_sum / max(tokens, 1),
+            "rollout/reward_mean": float(np.mean(np.concatenate([g.rewards for g in groups]))),
+            "rollout/response_length_mean": float(np.mean(lengths)),
+            "queue/policy_lag_mean": float(lags.mean()), "queue/policy_lag_max": float(lags.max()),
+            "queue/depth": self.consumer.backlog(), "queue/dropped_stale": self.dropped_stale,
+            "queue/dead_lettered": self.consumer.dead_lettered, "queue/duplicates_skipped":
+                self.consumer.duplicates_skipped, "queue/wait_s": wait_s,
+            "perf/step_time_s": step_s, "perf/tokens_per_s": sum(g.num_tokens for g in groups) / step_s,
+        }  # fmt: skip
+
+    # -- publishing -------------------------------------------------------------------------------
+    def export_weights(self, bucket_bytes: int) -> list[bytes]:
+        """All ranks take part (TP gathers); rank 0 returns the version as HF-named buckets in the engine dtype."""
+        dtype = _DTYPES[self.config.rollout.dtype]
+        named = ((name, tensor.to(dtype)) for name, tensor in stream_hf_weights(self.model, self.hf_config))
+        if self.rank != 0:
+            for _ in named:  # drive the gathers this rank takes part in
+                pass
+            return []
+        return list(pack_buckets(named, bucket_bytes))
+
+    def logprobs(self, input_ids: list[int], labels: list[int]) -> list[float]:
+        """Log-prob of each label under the current weights (parity checks); all ranks must call it."""
+        ids = torch.tensor([input_ids], dtype=torch.int64)
+        self.model.eval()
+        with torch.no_grad():
+            logp = token_logprobs(self.model, ids, torch.arange(len(input_ids))[None], torch.tensor([labels]))
+        return logp[0].tolist()
+

@@ -1,0 +1,64 @@
+"""GRPO advantages and the PPO-clip policy loss with a truncated importance weight.
+
+Per response token t (all tensors [B, S], zero outside response tokens):
+    ratio_t  = exp(logp_t - logp_old_t)                  # current vs proximal policy
+    w_t      = min(exp(logp_old_t - logp_behav_t), C)    # truncated IS: proximal vs behaviour (stale engine)
+    loss_t   = -w_t * min(ratio_t * A, clip(ratio_t, 1-eps, 1+eps) * A)
+The step loss is sum_t loss_t * loss_weight_t, where `loss_weight` already divides by the size of
+the whole global step (tokens or sequences), so summing micro-batches and data-parallel ranks gives
+the exact step loss whatever the packing (invariant 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def grpo_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """float32[n] group-normalised advantages (r - mean) / (std + eps); zero for a constant group."""
+    rewards = rewards.astype(np.float32)
+    return ((rewards - rewards.mean()) / (rewards.std() + eps)).astype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossStats:
+    """Sums over the micro-batch's response tokens; the learner reduces them over the step."""
+
+    tokens: float  # response tokens seen
+    clipped: float  # tokens whose PPO ratio left [1-eps, 1+eps]
+    truncated: float  # tokens whose importance weight hit the cap C
+    importance_weight: float  # sum of truncated importance weights
+    behaviour_kl: float  # sum of (logp_behav - logp_old): k1 estimate of KL(behaviour || learner)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_weight: torch.Tensor,
+    clip_eps: float,
+    importance_cap: float,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Scalar loss contribution of one micro-batch and its statistics."""
+    mask = loss_weight > 0
+    ratio = torch.exp(logp - logp_old)
+    log_w = (logp_old - logp_behaviour).detach()
+    importance = torch.exp(log_w).clamp(max=importance_cap)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    per_token = -importance * torch.minimum(unclipped, clipped)
+    loss = (per_token * loss_weight).sum()
+    with torch.no_grad():
+        maskf = mask.float()
+        stats = PolicyLossStats(
+            tokens=float(maskf.sum()),
+            clipped=float((((ratio - 1.0).abs() > clip_eps).float() * maskf).sum()),
+            truncated=float(((log_w > np.log(importance_cap)).float() * maskf).sum()),
+            importance_weight=float((importance * maskf).sum()),
+            behaviour_kl=float(((logp_behaviour - logp_old) * maskf).sum()),
+        )
+    return loss, stats

@@ -1,0 +1,50 @@
+"""What a user watches: a progress bar on the terminal and per-step metrics in W&B (offline by default).
+
+`RunMonitor.log(step, metrics)` records one row; `close()` finishes the W&B run and returns the
+one-line summary the CLI prints. W&B files live under the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tqdm import tqdm
+
+from streamrl.config import Config
+
+
+class RunMonitor:
+    def __init__(self, config: Config, show_progress: bool = True):
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.steps = config.train.steps
+        self.run = wandb.init(
+            project=config.wandb.project, name=config.run.name, mode=config.wandb.mode,
+            dir=str(config.run.dir.resolve()), config=config.model_dump(mode="json"),
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )  # fmt: skip
+        self.bar = tqdm(total=self.steps, desc="train", unit="step", disable=not show_progress, dynamic_ncols=True)
+        self.history: list[dict[str, float]] = []
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.run.log(metrics, step=step)
+        self.history.append(metrics)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
+                             lag=f"{metrics.get('queue/policy_lag_mean', 0.0):.1f}")  # fmt: skip
+
+    def close(self) -> str:
+        self.bar.close()
+        self.run.finish()
+        if not self.history:
+            return "streamrl: no steps completed"
+        quarter = max(1, len(self.history) // 4)
+        first = sum(h["rollout/reward_mean"] for h in self.history[:quarter]) / quarter
+        last = sum(h["rollout/reward_mean"] for h in self.history[-quarter:]) / quarter
+        total_s = sum(h["perf/step_time_s"] for h in self.history)
+        return (
+            f"streamrl: {len(self.history)} steps in {total_s:.1f}s | reward {first:.3f} -> {last:.3f} "
+            f"(first/last quarter) | final loss {self.history[-1]['train/loss']:.4f}"
+        )

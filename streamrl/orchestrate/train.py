@@ -1,0 +1,78 @@
+"""The training job: starts Redis, Ray, the engines and the learner ranks, and drives the loops.
+
+```
+           ┌──────────── Redis (embedded server in the run dir, or queue.url) ─────────────┐
+prompts →  │ engines ──XADD──▶ stream ──XREADGROUP──▶ learner rank 0 ──broadcast──▶ ranks   │
+(torchdata)│   ▲                                   XACK + trained ids after the step       │
+           └───┼───────────────────────────────────────────────────────────────────────────┘
+               └──── weights: HF-named buckets, learner rank 0 ──Ray object store──▶ engines
+```
+
+| loop              | consumes                    | produces                      | waits for                      |
+|-------------------|-----------------------------|-------------------------------|--------------------------------|
+| engine (`run`)    | prompts, current weights    | groups on the stream          | backlog < queue.max_backlog    |
+| learner (`step`)  | groups_per_step groups      | one optimizer step, acks      | groups (queue.wait_timeout_s)  |
+| driver (here)     | step metrics                | publishes every publish_every | steps, publishes (bounded)     |
+
+Staleness: a token sampled under version v is trained at learner version V with
+`V - v <= max_staleness` (older groups are dropped at admission). Engines run version
+`publish_every * floor(V / publish_every)`, so with a backlog of B groups and G groups per step
+the lag of a consumed group is about `publish_every - 1 + B / G` versions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.config import Config, save_resolved
+from streamrl.monitor.run_monitor import RunMonitor
+from streamrl.orchestrate.cluster import Cluster
+
+
+@dataclass
+class RunResult:
+    summary: str  # the one-line summary printed at exit
+    history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per step
+
+
+def ensure_model(config: Config) -> None:
+    """Write the random tiny model when the config asks for one and the path holds none."""
+    init = config.model.init_if_missing
+    if init is not None and not (config.model.path / "config.json").exists():
+        from streamrl.models.tiny import write_tiny_model
+
+        write_tiny_model(config.model.path, init.arch, init.preset, seed=config.run.seed)
+    if not (config.model.path / "config.json").exists():
+        raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
+
+
+def _publish(cluster: Cluster, version: int, config: Config) -> float:
+    start = time.perf_counter()
+    exports = [rank.export_weights.remote(config.train.publish_bucket_bytes) for rank in cluster.learners]
+    updates = [engine.update_weights.remote(version, exports[0]) for engine in cluster.engines]
+    cluster.get(exports[1:] + updates, config.train.publish_timeout_s, f"publish of version {version}")
+    cluster.announce_version(version)
+    return time.perf_counter() - start
+
+
+def train(config: Config, show_progress: bool = True) -> RunResult:
+    """Run `train.steps` steps; returns the summary and the per-step metrics."""
+    os.environ.setdefault("WANDB_MODE", config.wandb.mode)
+    config.run.dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(config, config.run.dir)
+    ensure_model(config)
+    with Cluster(config) as cluster:
+        monitor = RunMonitor(config, show_progress)
+        try:
+            for step in range(1, config.train.steps + 1):
+                metrics = cluster.learner_step(step)
+                if step % config.train.publish_every == 0:
+                    metrics["perf/publish_s"] = _publish(cluster, step, config)
+                metrics.update(cluster.engine_stats())
+                monitor.log(step, metrics)
+        finally:
+            summary = monitor.close()
+        return RunResult(summary, monitor.history)
