@@ -1,0 +1,88 @@
+"""The Redis stream queue against a real embedded server: delivery, acks, reclaim, dead letters, auth."""
+
+import time
+
+import pytest
+
+from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
+from tests.queue.test_codec import make_group
+
+
+def _consumer(server, keys: QueueKeys, name: str, reclaim_idle_ms: int = 60_000) -> TrajectoryConsumer:
+    return TrajectoryConsumer(connect(server.url, server.password), keys, name, reclaim_idle_ms, 1 << 20)
+
+
+def _producer(server, keys: QueueKeys, max_backlog: int = 100, wait_s: float = 5.0) -> TrajectoryProducer:
+    return TrajectoryProducer(connect(server.url, server.password), keys, max_backlog, wait_s)
+
+
+def test_groups_are_read_once_and_committed_ones_never_return(redis_server, queue_keys) -> None:
+    producer = _producer(redis_server, queue_keys)
+    first, second = _consumer(redis_server, queue_keys, "a"), _consumer(redis_server, queue_keys, "b")
+    producer.push([make_group([2], seed=i) for i in range(4)])
+    got_a = first.read(3, 100)
+    got_b = second.read(3, 100)
+    ids = [c.group.group_id for c in got_a + got_b]
+    assert sorted(ids) == [f"g{i}" for i in range(4)]  # each group delivered to exactly one consumer
+    first.commit(got_a)
+    second.commit(got_b)
+    assert first.backlog() == 0
+    assert _consumer(redis_server, queue_keys, "c", reclaim_idle_ms=1).read(4, 50) == []
+
+
+def test_unacked_groups_of_a_dead_consumer_are_reclaimed(redis_server, queue_keys) -> None:
+    _producer(redis_server, queue_keys).push([make_group([2], seed=i) for i in range(3)])
+    dead = _consumer(redis_server, queue_keys, "dead")
+    taken = dead.read(3, 100)
+    assert len(taken) == 3
+    del dead  # it never commits
+    survivor = _consumer(redis_server, queue_keys, "survivor", reclaim_idle_ms=50)
+    assert survivor.read(3, 10) == []  # not idle long enough yet
+    time.sleep(0.1)
+    reclaimed = survivor.read(3, 10)
+    assert sorted(c.group.group_id for c in reclaimed) == ["g0", "g1", "g2"]
+
+
+def test_restarted_consumer_gets_its_own_pending_first(redis_server, queue_keys) -> None:
+    _producer(redis_server, queue_keys).push([make_group([2], seed=i) for i in range(2)])
+    assert len(_consumer(redis_server, queue_keys, "learner-0").read(2, 100)) == 2
+    again = _consumer(redis_server, queue_keys, "learner-0").read(2, 100)
+    assert sorted(c.group.group_id for c in again) == ["g0", "g1"]
+
+
+def test_trained_groups_are_skipped_on_redelivery(redis_server, queue_keys) -> None:
+    producer = _producer(redis_server, queue_keys)
+    consumer = _consumer(redis_server, queue_keys, "a")
+    producer.push([make_group([2], seed=5)])
+    consumer.commit(consumer.read(1, 100))
+    producer.push([make_group([2], seed=5), make_group([2], seed=6)])  # g5 again, e.g. a producer retry
+    assert [c.group.group_id for c in consumer.read(2, 100)] == ["g6"]
+    assert consumer.duplicates_skipped == 1
+
+
+def test_malformed_entry_goes_to_dead_letters_and_consumer_continues(redis_server, queue_keys) -> None:
+    client = connect(redis_server.url, redis_server.password)
+    consumer = _consumer(redis_server, queue_keys, "a")
+    client.xadd(queue_keys.stream, {"g": b"\x93not-a-group"})
+    client.xadd(queue_keys.stream, {"other": b"x"})
+    _producer(redis_server, queue_keys).push([make_group([3], seed=1)])
+    got = consumer.read(3, 100)
+    assert [c.group.group_id for c in got] == ["g1"]
+    dead = client.xrange(queue_keys.dead_letters)
+    assert len(dead) == 2 and consumer.dead_lettered == 2
+    assert b"entry" in dead[0][1][b"reason"] and b"no 'g' field" in dead[1][1][b"reason"]
+    consumer.commit(got)
+    assert consumer.backlog() == 0
+
+
+def test_producer_waits_for_backlog_then_times_out(redis_server, queue_keys) -> None:
+    producer = _producer(redis_server, queue_keys, max_backlog=2, wait_s=0.3)
+    producer.push([make_group([1], seed=0), make_group([1], seed=1)])
+    with pytest.raises(TimeoutError, match="backlog"):
+        producer.push([make_group([1], seed=2)])
+    assert producer.backpressure_wait_s > 0
+
+
+def test_wrong_password_is_refused(redis_server) -> None:
+    with pytest.raises(PermissionError, match="refused the password"):
+        connect(redis_server.url, "not-the-password", retries=0)

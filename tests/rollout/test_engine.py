@@ -1,0 +1,127 @@
+"""VLLMEngine: generation logprobs, logprob parity with HF transformers after an in-place weight
+update, and rejection of malformed versions (unknown name, missing tensor, wrong shape) without
+touching the live weights.
+
+All tests share the session-scoped `vllm_engine` (see tests/conftest.py) and therefore never
+assume which weights or version it currently serves.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrl.rollout.engine import VLLMEngine
+from streamrl.weights.buckets import pack_buckets
+
+BUCKET_BYTES = 256 * 1024  # small enough that the tiny model spans several buckets
+Named = list[tuple[str, torch.Tensor]]
+
+
+def _encode(model_dir: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)(text, add_special_tokens=False)["input_ids"]
+
+
+def _hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> list[float]:
+    """Reference: log p(response[i] | prompt + response[:i]) from HF transformers in fp32."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs.gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def seed1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from streamrl.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-seed1"), arch="qwen3", seed=1)
+
+
+def test_generate_shapes_and_logprobs(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
+    prompts = [_encode(tiny_model_dir, "what is 2+3?"), _encode(tiny_model_dir, "hello")]
+    results = vllm_engine.generate(prompts, n=3, max_tokens=16, temperature=1.0, top_p=1.0, seed=123)
+    assert len(results) == len(prompts)
+    for samples in results:
+        assert len(samples) == 3
+        for sample in samples:
+            assert 1 <= len(sample.token_ids) <= 16
+            assert len(sample.logprobs) == len(sample.token_ids)
+            assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.logprobs)
+            assert sample.finish_reason in ("stop", "length")
+            assert isinstance(sample.text, str)
+            if sample.cumulative_logprob is not None:
+                assert sum(sample.logprobs) == pytest.approx(sample.cumulative_logprob, abs=1e-4)
+
+
+def test_load_weights_matches_hf_logprobs(vllm_engine: VLLMEngine, seed1_model_dir: Path) -> None:
+    prompt = _encode(seed1_model_dir, "<|im_start|>user\nadd 12 and 30<|im_end|>\n<|im_start|>assistant\n")
+    response = _encode(seed1_model_dir, "the answer is 42.") + [4]  # end with <|im_end|> (eos)
+    before = vllm_engine.score(prompt, response)
+    version = vllm_engine.policy_version + 1
+
+    hf = _hf_model(seed1_model_dir)
+    buckets = list(pack_buckets(hf.named_parameters(), BUCKET_BYTES))
+    assert len(buckets) > 1
+    vllm_engine.load_weights(version, buckets)
+
+    after = vllm_engine.score(prompt, response)
+    expected = _hf_logprobs(hf, prompt, response)
+    assert vllm_engine.policy_version == version
+    assert len(after) == len(response)
+    assert max(abs(a - e) for a, e in zip(after, expected, strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-3
+
+
+def _bogus_tensor(valid: Named) -> Named:
+    return [*valid, ("model.layers.0.self_attn.bogus_proj.weight", torch.zeros(4, 4))]
+
+
+def _missing_tensor(valid: Named) -> Named:
+    # A lone missing q_proj would leave the fused qkv_proj half-loaded: must be refused up front.
+    return [(name, t) for name, t in valid if name != "model.layers.1.self_attn.q_proj.weight"]
+
+
+def _wrong_shape(valid: Named) -> Named:
+    return [(name, t[:-1] if name == "model.norm.weight" else t) for name, t in valid]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (_bogus_tensor, "model.layers.0.self_attn.bogus_proj.weight"),
+        (_missing_tensor, "model.layers.1.self_attn.q_proj.weight"),
+        (_wrong_shape, "model.norm.weight"),
+    ],
+    ids=["unknown-name", "missing-tensor", "wrong-shape"],
+)
+def test_bad_version_rejected_and_weights_kept(
+    vllm_engine: VLLMEngine, seed1_model_dir: Path, corrupt: Callable[[Named], Named], message: str
+) -> None:
+    prompt = _encode(seed1_model_dir, "hello")
+    response = _encode(seed1_model_dir, " world")
+    version = vllm_engine.policy_version
+    before = vllm_engine.score(prompt, response)
+    (checksum_before,) = vllm_engine.llm.collective_rpc("streamrl_weight_checksum")
+
+    # Built from a full, valid version, so only the corruption can trigger the rejection.
+    valid = list(_hf_model(seed1_model_dir).named_parameters())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        vllm_engine.load_weights(version + 1, list(pack_buckets(corrupt(valid), BUCKET_BYTES)))
+
+    assert vllm_engine.policy_version == version
+    assert vllm_engine.llm.collective_rpc("streamrl_weight_checksum") == [checksum_before]
+    assert vllm_engine.score(prompt, response) == before

@@ -1,0 +1,42 @@
+"""Prompt streams are seeded and resume exactly from their torchdata state."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import TaskConfig
+from streamrl.rollout.prompts import SYMBOLS, PromptSource
+
+
+def test_symbols_stream_resumes_from_state() -> None:
+    source = PromptSource(TaskConfig(), seed=3)
+    first = [next(source) for _ in range(5)]
+    assert all(p.answer in SYMBOLS and p.text == f"repeat {p.answer}" for p in first)
+    state = source.state_dict()
+    expected = [next(source) for _ in range(5)]
+    resumed = PromptSource(TaskConfig(), seed=3)
+    resumed.reset(state)
+    assert [next(resumed) for _ in range(5)] == expected
+
+
+def test_jsonl_file_cycles_epochs_and_resumes(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"q": f"{i}+{i}=?", "a": str(2 * i)}) for i in range(4)))
+    task = TaskConfig(name="math", prompts_file=path, prompt_key="q", answer_key="a")
+    source = PromptSource(task, seed=0)
+    epoch = [next(source) for _ in range(4)]
+    assert sorted(p.answer for p in epoch) == ["0", "2", "4", "6"]
+    next(source)
+    state = source.state_dict()
+    assert state == {"epoch": 1, "index": 1}
+    resumed = PromptSource(task, seed=0)
+    resumed.reset(state)
+    assert next(resumed) == next(source)
+
+
+def test_bad_prompt_file_names_row_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="row 1 has no key 'answer'"):
+        PromptSource(TaskConfig(name="math", prompts_file=path), seed=0)

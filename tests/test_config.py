@@ -1,0 +1,62 @@
+"""Config: typed, validated, overridable from the command line; errors name the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streamrl.cli import main
+from streamrl.config import ConfigError, apply_override, build_config, load_config, save_resolved
+
+BASE = {"model": {"path": "m"}}
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.nn: unknown key"):
+        build_config({**BASE, "rollout": {"nn": 3}})
+
+
+def test_bad_value_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.n: .*greater than or equal to 2"):
+        build_config({**BASE, "rollout": {"n": 1}})
+    with pytest.raises(ConfigError, match=r"train\.steps: .*integer"):
+        build_config({**BASE, "train": {"steps": "many"}})
+
+
+def test_cross_field_check_names_key() -> None:
+    with pytest.raises(ConfigError, match=r"task\.target_length"):
+        build_config({**BASE, "task": {"target_length": 50}, "rollout": {"max_tokens": 10}})
+    with pytest.raises(ConfigError, match=r"task\.prompts_file"):
+        build_config({**BASE, "task": {"name": "math"}})
+    with pytest.raises(ConfigError, match=r"queue\.url"):
+        build_config({**BASE, "queue": {"url": "http://x"}})
+
+
+def test_dotted_overrides_are_typed(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    config = load_config(path, ["train.steps=7", "rollout.temperature=0.5", "optimizer.betas=[0.8, 0.9]"])
+    assert config.train.steps == 7 and config.rollout.temperature == 0.5 and config.optimizer.betas == (0.8, 0.9)
+    tree: dict = {"a": 1}
+    with pytest.raises(ConfigError, match="is a value"):
+        apply_override(tree, "a.b=2")
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        apply_override(tree, "novalue")
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    config = build_config({**BASE, "train": {"steps": 3}})
+    saved = save_resolved(config, tmp_path)
+    assert load_config(saved) == config
+
+
+def test_cli_exits_nonzero_naming_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "queue": {"bogus": 1}}))
+    assert main(["train", "-c", str(path)]) == 2
+    assert "queue.bogus: unknown key" in capsys.readouterr().err
+
+
+def test_shipped_configs_validate() -> None:
+    for path in Path(__file__).parents[1].joinpath("configs").glob("*.yaml"):
+        load_config(path)
