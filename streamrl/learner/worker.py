@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from streamrl.batching.microbatch import plan_step
 from streamrl.config import Config
-from streamrl.learner.convert import hf_to_megatron, load_hf_checkpoint, stream_hf_weights
+from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.model import build_gpt_model
@@ -46,12 +46,7 @@ class LearnerWorker:
         self.ps = parallel_state
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
         self.model = build_gpt_model(self.hf_config)
-        shard = hf_to_megatron(hf_state, self.hf_config, parallel_state.get_tensor_model_parallel_rank(),
-                               parallel_state.get_tensor_model_parallel_world_size())  # fmt: skip
-        missing, unexpected = self.model.load_state_dict(shard, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"learner: checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        load_hf_weights(self.model, hf_state, self.hf_config)
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas,
                                            weight_decay=opt.weight_decay)  # fmt: skip
@@ -189,4 +184,3 @@ class LearnerWorker:
         with torch.no_grad():
             logp = token_logprobs(self.model, ids, torch.arange(len(input_ids))[None], torch.tensor([labels]))
         return logp[0].tolist()
-

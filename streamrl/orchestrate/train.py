@@ -49,30 +49,43 @@ def ensure_model(config: Config) -> None:
         raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
 
 
-def _publish(cluster: Cluster, version: int, config: Config) -> float:
+def publish_weights(cluster: Cluster, version: int, config: Config) -> float:
+    """Stream the learner's weights to every engine as `version`; returns the seconds it took."""
     start = time.perf_counter()
     exports = [rank.export_weights.remote(config.train.publish_bucket_bytes) for rank in cluster.learners]
+    # Rank 0's buckets go to the engines as an object reference: the bytes move through Ray's object
+    # store from the learner to each engine, never through this driver.
     updates = [engine.update_weights.remote(version, exports[0]) for engine in cluster.engines]
     cluster.get(exports[1:] + updates, config.train.publish_timeout_s, f"publish of version {version}")
     cluster.announce_version(version)
     return time.perf_counter() - start
 
 
-def train(config: Config, show_progress: bool = True) -> RunResult:
-    """Run `train.steps` steps; returns the summary and the per-step metrics."""
+def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> RunResult:
+    """Drive `train.steps` learner steps on a started cluster, publishing every `publish_every`."""
+    monitor = RunMonitor(config, show_progress)
+    try:
+        for step in range(1, config.train.steps + 1):
+            metrics = cluster.learner_step(step)
+            if step % config.train.publish_every == 0:
+                metrics["perf/publish_s"] = publish_weights(cluster, step, config)
+            metrics.update(cluster.engine_stats())
+            monitor.log(step, metrics)
+    finally:
+        summary = monitor.close()
+    return RunResult(summary, monitor.history)
+
+
+def prepare_run(config: Config) -> None:
+    """Create the run directory, save the resolved config and make sure the model exists."""
     os.environ.setdefault("WANDB_MODE", config.wandb.mode)
     config.run.dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, config.run.dir)
     ensure_model(config)
+
+
+def train(config: Config, show_progress: bool = True) -> RunResult:
+    """The whole job: prepare the run, start the cluster, run the steps, tear everything down."""
+    prepare_run(config)
     with Cluster(config) as cluster:
-        monitor = RunMonitor(config, show_progress)
-        try:
-            for step in range(1, config.train.steps + 1):
-                metrics = cluster.learner_step(step)
-                if step % config.train.publish_every == 0:
-                    metrics["perf/publish_s"] = _publish(cluster, step, config)
-                metrics.update(cluster.engine_stats())
-                monitor.log(step, metrics)
-        finally:
-            summary = monitor.close()
-        return RunResult(summary, monitor.history)
+        return run_steps(cluster, config, show_progress)

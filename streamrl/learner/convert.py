@@ -1,0 +1,252 @@
+"""HuggingFace <-> Megatron-core weight conversion for the models `streamrl.learner.model` builds.
+
+Contract (all conversions are pure reindexing - views, cat, chunk - so a round trip is bit-exact):
+- `hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)` returns this tensor-parallel rank's shard of every
+  Megatron parameter, keyed by the `GPTModel.state_dict()` names (no `_extra_state`), ready for
+  `model.load_state_dict(..., strict=False)`.
+- `megatron_to_hf(mcore_state, hf_config)` takes FULL (unsharded) Megatron tensors and yields HF
+  `(name, tensor)` pairs tensor by tensor; each Megatron tensor converts on its own, so a lazy mapping or the
+  stream of `gather_tp_shards` never materialises more than one fused tensor at a time.
+- `gather_tp_shards(model, tp_group)` yields each parameter's full tensor (all-gathering TP shards, a
+  collective every rank of the group must drive in the same order); `stream_hf_weights` chains the two.
+- `load_hf_weights(model, hf_state, hf_config)` loads this rank's shard into a built model.
+- `load_hf_checkpoint(path)` reads `config.json` and every `*.safetensors` file.
+
+Layouts. Megatron fuses q/k/v into `linear_qkv` with rows grouped per query group g:
+`[q heads of group g, k_g, v_g]` for g in 0..num_query_groups-1 (same for the Qwen2 qkv bias), and gate/up
+into `linear_fc1` = cat(gate, up). Tensor-parallel sharding (kinds below): column-parallel `linear_qkv` is a
+plain dim-0 chunk because whole groups are contiguous; `linear_fc1` is cat(gate_shard, up_shard); the
+vocab-parallel embedding / output layer split dim 0; row-parallel `linear_proj` / `linear_fc2` split dim 1;
+norms are replicated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors.torch import load_file
+from torch import Tensor
+
+from streamrl.learner.model import has_qk_layernorm, has_qkv_bias, head_dim, num_query_groups
+
+# Sharding kinds: how a full tensor splits across tensor-parallel ranks.
+REPLICATED, COLUMN, ROW, GLU = "replicated", "column", "row", "glu"
+
+# Megatron per-layer suffix -> (HF per-layer suffixes, kind), in `GPTModel.state_dict()` order. Fused entries
+# list their HF parts in fused order.
+_LAYER_MAP: dict[str, tuple[tuple[str, ...], str]] = {
+    "input_layernorm.weight": (("input_layernorm.weight",), REPLICATED),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ROW),
+    "self_attention.linear_qkv.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        COLUMN,
+    ),
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        COLUMN,
+    ),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), REPLICATED),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), REPLICATED),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), REPLICATED),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW),
+}
+_QKV_BIAS = "self_attention.linear_qkv.bias"  # Qwen2 only
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
+_GLOBAL_MAP: dict[str, tuple[tuple[str, ...], str]] = {
+    "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), COLUMN),
+    "decoder.final_layernorm.weight": (("model.norm.weight",), REPLICATED),
+    "output_layer.weight": (("lm_head.weight",), COLUMN),
+}
+_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# Non-parameter entries older HF checkpoints carry; recomputed by the model, so safe to drop.
+_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _lookup(name: str) -> tuple[list[str], str]:
+    """HF names (fused order) and sharding kind of the Megatron parameter `name`."""
+    if name in _GLOBAL_MAP:
+        hf_names, kind = _GLOBAL_MAP[name]
+        return list(hf_names), kind
+    match = _LAYER_RE.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_MAP:
+        raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
+    hf_suffixes, kind = _LAYER_MAP[match.group(2)]
+    return [f"model.layers.{match.group(1)}.{suffix}" for suffix in hf_suffixes], kind
+
+
+def megatron_names(hf_config: dict[str, Any]) -> list[str]:
+    """The Megatron parameter names `build_gpt_model(hf_config)` has, in `state_dict` order."""
+    names = ["embedding.word_embeddings.weight"]
+    for i in range(hf_config["num_hidden_layers"]):
+        for suffix in _LAYER_MAP:
+            if suffix == _QKV_BIAS and not has_qkv_bias(hf_config):
+                continue
+            if suffix in _QK_NORMS and not has_qk_layernorm(hf_config):
+                continue
+            names.append(f"decoder.layers.{i}.{suffix}")
+    names.append("decoder.final_layernorm.weight")
+    if not hf_config.get("tie_word_embeddings", False):
+        names.append("output_layer.weight")
+    return names
+
+
+def _qkv_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
+    """(query groups, query heads per group, head dim) of the fused QKV layout."""
+    groups = num_query_groups(hf_config)
+    return groups, hf_config["num_attention_heads"] // groups, head_dim(hf_config)
+
+
+def _fuse(name: str, parts: list[Tensor], hf_config: dict[str, Any]) -> Tensor:
+    """Build the full Megatron tensor `name` from its HF parts (in `_lookup` order)."""
+    if len(parts) == 1:
+        return parts[0]
+    if "linear_qkv" in name:
+        groups, per_group, dim = _qkv_shape(hf_config)
+        q, k, v = parts
+        rest = q.shape[1:]  # (hidden,) for the weight, () for the bias
+        q = q.reshape(groups, per_group * dim, *rest)
+        return torch.cat([q, k.reshape(groups, dim, *rest), v.reshape(groups, dim, *rest)], dim=1).reshape(-1, *rest)
+    return torch.cat(parts, dim=0)  # linear_fc1 = cat(gate, up)
+
+
+def _split(name: str, full: Tensor, hf_config: dict[str, Any]) -> list[Tensor]:
+    """Inverse of `_fuse`: the HF parts of the full Megatron tensor `name`."""
+    if "linear_qkv" in name:
+        groups, per_group, dim = _qkv_shape(hf_config)
+        rest = full.shape[1:]
+        grouped = full.reshape(groups, per_group + 2, dim, *rest)
+        return [
+            grouped[:, :per_group].reshape(groups * per_group * dim, *rest),
+            grouped[:, per_group].reshape(groups * dim, *rest),
+            grouped[:, per_group + 1].reshape(groups * dim, *rest),
+        ]
+    if "linear_fc1" in name:
+        return list(full.chunk(2, dim=0))
+    return [full]
+
+
+def _shard(full: Tensor, kind: str, tp_rank: int, tp_size: int) -> Tensor:
+    """This rank's shard of a full tensor of sharding `kind`."""
+    if kind == REPLICATED or tp_size == 1:
+        return full
+    if kind == GLU:  # each rank holds cat(gate_shard, up_shard)
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    return full.chunk(tp_size, dim=0 if kind == COLUMN else 1)[tp_rank].contiguous()
+
+
+def _unshard(shards: list[Tensor], kind: str) -> Tensor:
+    """Inverse of `_shard` given every rank's shard in rank order."""
+    if kind == REPLICATED or len(shards) == 1:
+        return shards[0]
+    if kind == GLU:
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([half[0] for half in halves] + [half[1] for half in halves], dim=0)
+    return torch.cat(shards, dim=0 if kind == COLUMN else 1)
+
+
+def _check_divisible(hf_config: dict[str, Any], tp_size: int) -> None:
+    for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
+        if hf_config[field] % tp_size:
+            raise ValueError(f"{field}: {hf_config[field]} is not divisible by tensor parallel size {tp_size}")
+    if num_query_groups(hf_config) % tp_size:
+        raise ValueError(f"num_key_value_heads: {num_query_groups(hf_config)} not divisible by TP size {tp_size}")
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, Tensor], hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, Tensor]:
+    """This TP rank's shard of every Megatron parameter, from a full HF state dict (see module docstring)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
+    _check_divisible(hf_config, tp_size)
+    used: set[str] = set()
+    out: dict[str, Tensor] = {}
+    for name in megatron_names(hf_config):
+        hf_names, kind = _lookup(name)
+        missing = [n for n in hf_names if n not in hf_state]
+        if missing:
+            raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {name!r}")
+        used.update(hf_names)
+        out[name] = _shard(_fuse(name, [hf_state[n] for n in hf_names], hf_config), kind, tp_rank, tp_size)
+    # A tied checkpoint may still store lm_head.weight (a copy of the embedding); the model has no slot for it.
+    leftover = {n for n in hf_state if n not in used and not _IGNORED_HF.fullmatch(n)}
+    if hf_config.get("tie_word_embeddings", False):
+        leftover.discard("lm_head.weight")
+    if leftover:
+        raise ValueError(f"HF checkpoint has tensors with no Megatron counterpart: {sorted(leftover)}")
+    return out
+
+
+def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_config: dict[str, Any]) -> None:
+    """Copy a full HF state dict into this rank's Megatron model shard (TP rank/size from `parallel_state`)."""
+    shard = hf_to_megatron(
+        hf_state,
+        hf_config,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    # Non-strict only because `_extra_state` entries (Transformer Engine FP8 metadata slots) have no HF source.
+    result = model.load_state_dict(shard, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"state dict mismatch: missing {missing}, unexpected {result.unexpected_keys}")
+
+
+def megatron_to_hf(mcore_state: Mapping[str, Tensor], hf_config: dict[str, Any]) -> Iterator[tuple[str, Tensor]]:
+    """Yield HF `(name, tensor)` pairs from FULL Megatron tensors, one Megatron tensor at a time."""
+    for name, full in mcore_state.items():
+        if name.endswith("_extra_state"):
+            continue
+        hf_names, _ = _lookup(name)
+        yield from zip(hf_names, _split(name, full, hf_config), strict=True)
+
+
+def gather_tp_shards(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Yield each parameter's full tensor, all-gathering its TP shards over `tp_group`.
+
+    A collective: every rank of `tp_group` must consume the generator to the end, in lockstep. `tp_group`
+    defaults to Megatron's tensor-parallel group. Replicated tensors (and everything at TP=1) are yielded as
+    detached views of the live parameters, so copy them before the next optimizer step if they must persist.
+    """
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = dist.get_world_size(tp_group)
+    for name, param in model.named_parameters():
+        _, kind = _lookup(name)
+        local = param.detach()
+        if kind == REPLICATED or tp_size == 1:
+            yield name, local
+            continue
+        shards = [torch.empty_like(local) for _ in range(tp_size)]
+        dist.all_gather(shards, local.contiguous(), group=tp_group)
+        yield name, _unshard(shards, kind)
+
+
+def stream_hf_weights(
+    model: torch.nn.Module, hf_config: dict[str, Any], tp_group: dist.ProcessGroup | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Stream the model's full weights under HF names on every TP rank (a collective, see `gather_tp_shards`)."""
+    for name, full in gather_tp_shards(model, tp_group):
+        yield from megatron_to_hf({name: full}, hf_config)
+
+
+def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Read `config.json` and all `*.safetensors` shards of a HF checkpoint directory (tensors on CPU)."""
+    path = Path(path)
+    hf_config = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    hf_state: dict[str, Tensor] = {}
+    for file in files:
+        hf_state.update(load_file(file))
+    return hf_config, hf_state

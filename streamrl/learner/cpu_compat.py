@@ -1,0 +1,100 @@
+"""Make megatron-core 0.16.1's GPTModel (local layer spec) run forward/backward on a CPU-only PyTorch.
+
+Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available, and must run before the
+parallel world / model are built (`streamrl.learner.parallel.init_parallel` calls it). It raises
+`RuntimeError` on any megatron-core version other than the one these patches were checked against, because
+each patch replaces a specific code path that may move or change between releases.
+
+What is patched, and only what our learner path (local spec, no Megatron optimizer / DDP / activation
+recompute / inference) actually hits:
+- `torch.cuda.current_device()` raises on a CPU build, yet Megatron uses it as the device for the attention
+  scratch buffer (`GlobalMemoryBuffer.get_tensor`) and moves RoPE `inv_freq` there on every forward; it is
+  made to return the CPU device.
+- The model-parallel RNG tracker (`CudaRNGStatesTracker.add` / `.fork`, used by `model_parallel_cuda_manual_seed`
+  and around attention dropout on every forward) reads and writes CUDA generator states; on CPU it tracks the
+  CPU default generator's state instead.
+- `get_default_causal_mask` builds its mask on "cuda"; it is rebuilt on the CPU (only reached when a caller
+  passes no attention mask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+MEGATRON_VERSION = "0.16.1"
+
+_applied = False
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    """`CudaRNGStatesTracker.add` on the CPU generator: remember the state a generator seeded with `seed` has."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    # A private generator gives the seeded state without disturbing the default generator's stream.
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    self.states_[name] = generator.get_state()
+
+
+@contextlib.contextmanager
+def _cpu_tracker_fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+    """`CudaRNGStatesTracker.fork` on the CPU generator: run the body with `name`'s state, then restore.
+
+    Unlike the CUDA original this does not warn that "the CPU RNG state changed": here the CPU generator *is*
+    the tracked generator, so any random op (dropout > 0) in the body legitimately advances it.
+    """
+    if name not in self.states_:
+        raise Exception(f"rng state {name} is not added")
+    orig_state = torch.get_rng_state()
+    orig_name = self._current_state_name
+    if orig_name != "default-rng":
+        self.states_[orig_name] = orig_state
+    torch.set_rng_state(self.states_[name])
+    self._current_state_name = name
+    try:
+        yield
+    finally:
+        self.states_[name] = torch.get_rng_state()
+        if orig_name != "default-rng":
+            orig_state = self.states_[orig_name]
+        torch.set_rng_state(orig_state)
+        self._current_state_name = orig_name
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+
+def apply_cpu_compat() -> None:
+    """Apply the CPU patches described in the module docstring (once; a no-op when CUDA is available)."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    import megatron.core
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import utils as transformer_utils
+
+    if megatron.core.__version__ != MEGATRON_VERSION:
+        raise RuntimeError(
+            f"streamrl's CPU compatibility patches target megatron-core {MEGATRON_VERSION}, "
+            f"found {megatron.core.__version__}; re-verify the patched code paths before bumping the version"
+        )
+    torch.cuda.current_device = _cpu_current_device
+    mp_random.CudaRNGStatesTracker.add = _cpu_tracker_add
+    mp_random.CudaRNGStatesTracker.fork = _cpu_tracker_fork
+    # fused_softmax imported the function by name, so its module-level reference is the one that is called.
+    transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    _applied = True

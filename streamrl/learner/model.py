@@ -1,0 +1,135 @@
+"""Build a Megatron-core `GPTModel` equivalent to a HuggingFace causal LM.
+
+Contract: `build_gpt_model(hf_config)` takes the contents of a HF `config.json` for `Qwen3ForCausalLM`,
+`Qwen2ForCausalLM` or `LlamaForCausalLM` and returns a randomly initialised `GPTModel` (this rank's
+tensor-parallel shard) whose forward matches the HF model once `streamrl.learner.convert.hf_to_megatron`
+weights are loaded. It must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer
+spec is used (no Transformer Engine / apex). Unsupported configurations raise `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+def architecture(hf_config: dict[str, Any]) -> str:
+    """Return the single supported architecture named by `hf_config["architectures"]`."""
+    archs = hf_config.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architectures: unsupported {archs!r}; expected one of {SUPPORTED_ARCHITECTURES}")
+    return archs[0]
+
+
+def head_dim(hf_config: dict[str, Any]) -> int:
+    """Per-head dimension; Qwen2 configs omit it and derive it from hidden / heads."""
+    return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+
+
+def num_query_groups(hf_config: dict[str, Any]) -> int:
+    """Number of key/value heads (GQA groups); absent means plain multi-head attention."""
+    return hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+
+
+def has_qkv_bias(hf_config: dict[str, Any]) -> bool:
+    """Qwen2 always has q/k/v biases (and no other bias); the others have none."""
+    return architecture(hf_config) == "Qwen2ForCausalLM"
+
+
+def has_qk_layernorm(hf_config: dict[str, Any]) -> bool:
+    """Qwen3 RMS-normalises each query/key head before RoPE."""
+    return architecture(hf_config) == "Qwen3ForCausalLM"
+
+
+def _rope_theta(hf_config: dict[str, Any]) -> float:
+    # transformers 5 nests RoPE settings under `rope_parameters`; older configs keep them top-level.
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_parameters.rope_type: only 'default' RoPE is supported, got {rope_type!r}")
+    theta = rope.get("rope_theta", hf_config.get("rope_theta"))
+    if theta is None:
+        raise ValueError("rope_theta: missing from both the config and its rope_parameters")
+    return float(theta)
+
+
+def _check_supported(hf_config: dict[str, Any]) -> None:
+    """Reject HF options the Megatron model below would silently get wrong."""
+    architecture(hf_config)
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: only 'silu' (SwiGLU) is supported, got {hf_config['hidden_act']!r}")
+    # Llama/Qwen3 `attention_bias` also biases o_proj, and `mlp_bias` the MLP: Megatron's local spec cannot
+    # bias those without biasing every linear layer, so these variants are out of scope.
+    for field in ("attention_bias", "mlp_bias"):
+        if hf_config.get(field):
+            raise ValueError(f"{field}: biased projections are not supported")
+    if hf_config.get("use_sliding_window"):
+        raise ValueError("use_sliding_window: sliding-window attention is not supported")
+
+
+def transformer_config(hf_config: dict[str, Any]) -> TransformerConfig:
+    """Translate a HF config into a Megatron `TransformerConfig` for this process's device."""
+    from megatron.core import parallel_state
+
+    _check_supported(hf_config)
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=hf_config["num_hidden_layers"],
+        hidden_size=hf_config["hidden_size"],
+        ffn_hidden_size=hf_config["intermediate_size"],
+        num_attention_heads=hf_config["num_attention_heads"],
+        num_query_groups=num_query_groups(hf_config),
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config["rms_norm_eps"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=has_qkv_bias(hf_config),
+        qk_layernorm=has_qk_layernorm(hf_config),
+        # RL log-probs must be deterministic functions of the weights: no dropout anywhere.
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        params_dtype=torch.float32,
+        # On CPU the weights must be created on the host; the GPU path allocates them on the device directly.
+        use_cpu_initialization=on_cpu,
+        # No Transformer Engine / apex on these machines: the local spec's unfused kernels only.
+        attention_backend="local",
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_gpt_model(hf_config: dict[str, Any]) -> GPTModel:
+    """Build the (randomly initialised) Megatron GPTModel shard for `hf_config`; see the module docstring."""
+    config = transformer_config(hf_config)
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=hf_config["vocab_size"],
+        max_sequence_length=hf_config["max_position_embeddings"],
+        pre_process=True,
+        post_process=True,
+        # Each TP rank keeps its vocabulary shard of the logits: the loss is computed vocab-parallel.
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=_rope_theta(hf_config),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

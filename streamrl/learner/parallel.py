@@ -1,0 +1,70 @@
+"""torch.distributed + Megatron model-parallel setup for one learner process.
+
+Contract: every learner rank calls `init_parallel(...)` once with the same `world_size`, `tensor_parallel`,
+`master_addr`, `master_port`, `timeout_s` and `seed`; afterwards Megatron's `parallel_state` holds the
+tensor-parallel groups (the remaining factor of `world_size` is data parallel) and the model-parallel RNG
+tracker is seeded, so `streamrl.learner.model.build_gpt_model` can run. The backend is NCCL when CUDA is
+available and gloo otherwise (with the CPU patches of `streamrl.learner.cpu_compat`). Every collective,
+including the rendezvous, fails after `timeout_s` instead of hanging. `destroy_parallel()` undoes it all and is
+safe to call when nothing was initialised.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from streamrl.learner.cpu_compat import apply_cpu_compat
+
+
+def init_parallel(
+    rank: int,
+    world_size: int,
+    tensor_parallel: int,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
+    seed: int,
+) -> None:
+    """Initialise torch.distributed, Megatron's model-parallel groups and the model-parallel RNG seed."""
+    if tensor_parallel < 1 or world_size % tensor_parallel:
+        raise ValueError(f"tensor_parallel: {tensor_parallel} must be >= 1 and divide world_size {world_size}")
+    if dist.is_initialized():
+        raise RuntimeError("init_parallel: torch.distributed is already initialised; call destroy_parallel first")
+    apply_cpu_compat()
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        # One GPU per rank; the local rank is the position on this host (the launcher may set LOCAL_RANK).
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        # Megatron's groups get the same bound as the default group (it converts minutes to a timedelta).
+        distributed_timeout_minutes=timeout_s / 60.0,
+        # The extra gloo groups serve Megatron's distributed optimizer / checkpointing, neither of which we use.
+        create_gloo_process_groups=False,
+    )
+    # The default generator is shared by all TP ranks of a data-parallel replica (as Megatron-LM seeds it);
+    # the tracker then derives the per-TP-rank model-parallel stream from the same seed.
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the default process group (no-op pieces are skipped)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
