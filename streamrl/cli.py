@@ -32,14 +32,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before or after flags; argparse leaves the later ones unparsed.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command == "init-model" or any("=" not in e for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "init-model":
         from streamrl.models.tiny import write_tiny_model
 
         print(write_tiny_model(args.out, args.arch, args.preset, args.seed))
         return 0
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides + extra)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"streamrl: config error: {exc}", file=sys.stderr)
         return 2

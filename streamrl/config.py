@@ -46,6 +46,7 @@ class TaskConfig(_Section):
     prompt_key: str = Field("prompt", description="Field of a prompts_file row holding the prompt text.")
     answer_key: str = Field("answer", description="Field of a prompts_file row holding the reference answer.")
     target_length: int = Field(12, gt=0, description="symbols: copies of the symbol that earn the full reward.")
+    symbols: str = Field("#*@+", min_length=1, description="symbols: the alphabet a prompt's symbol is drawn from.")
 
 
 class RolloutConfig(_Section):

@@ -7,7 +7,7 @@ vocab-parallel cross-entropy: with tensor parallelism each rank only ever holds 
 logits (the softmax normaliser and the label logit are all-reduced across the TP group), so the result is
 identical on every TP rank and no rank gathers the full vocabulary. Attention is causal, so right padding is
 harmless: padded positions cannot influence earlier ones; their outputs are simply garbage for the caller to
-mask. Every TP rank of a group must call it with the same inputs.
+mask. Inputs are moved to the model's device. Every TP rank of a group must call it with the same inputs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ def token_logprobs(
             f"input_ids/position_ids/labels: expected equal [B, S] shapes, got "
             f"{tuple(input_ids.shape)}, {tuple(position_ids.shape)}, {tuple(labels.shape)}"
         )
-    mask = causal_attention_mask(input_ids.shape[1], input_ids.device)
+    # Batches are assembled on the host; the model may live on a GPU.
+    device = next(model.parameters()).device
+    input_ids, position_ids, labels = input_ids.to(device), position_ids.to(device), labels.to(device)
+    mask = causal_attention_mask(input_ids.shape[1], device)
     # With labels, GPTModel returns the per-token cross-entropy -log p(label) in [B, S] instead of logits.
     loss = model(input_ids, position_ids, mask, labels=labels)
     return -loss.float()

@@ -5,6 +5,9 @@ Contract: `build_gpt_model(hf_config)` takes the contents of a HF `config.json` 
 tensor-parallel shard) whose forward matches the HF model once `streamrl.learner.convert.hf_to_megatron`
 weights are loaded. It must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer
 spec is used (no Transformer Engine / apex). Unsupported configurations raise `ValueError` naming the field.
+
+Training with a plain torch optimizer (not Megatron's DDP) at TP>1 requires `allreduce_tp_partial_grads(model)`
+after every backward and before clipping / the optimizer step: see its docstring.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
@@ -76,8 +81,6 @@ def _check_supported(hf_config: dict[str, Any]) -> None:
 
 def transformer_config(hf_config: dict[str, Any]) -> TransformerConfig:
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device."""
-    from megatron.core import parallel_state
-
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
@@ -98,6 +101,7 @@ def transformer_config(hf_config: dict[str, Any]) -> TransformerConfig:
         attention_dropout=0.0,
         hidden_dropout=0.0,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        # fp32 parameters: a plain torch AdamW updates them directly (no Megatron mixed-precision optimizer).
         params_dtype=torch.float32,
         # On CPU the weights must be created on the host; the GPU path allocates them on the device directly.
         use_cpu_initialization=on_cpu,
@@ -133,3 +137,27 @@ def build_gpt_model(hf_config: dict[str, Any]) -> GPTModel:
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def allreduce_tp_partial_grads(model: GPTModel) -> None:
+    """Sum, over the tensor-parallel group, the gradients that each TP rank only holds a partial sum of.
+
+    Qwen3's q/k layernorm weights are replicated on every TP rank but applied to each attention head, and a
+    rank only computes its own heads, so its gradient covers those heads only. Megatron's DDP sums them in
+    `finalize_model_grads`; a plain torch optimizer does not, so call this after backward (no-op at TP=1 or
+    without qk layernorm). Every other replicated parameter (the RMSNorms on the replicated hidden state) already
+    has its full gradient on every rank without sequence parallelism.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [
+        p.grad
+        for name, p in model.named_parameters()
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name)
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all layers
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(summed.view_as(grad))

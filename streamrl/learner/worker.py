@@ -22,7 +22,7 @@ from streamrl.config import Config
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import build_gpt_model
+from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import init_parallel
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
 from streamrl.queue.codec import decode_group, encode_group
@@ -103,15 +103,18 @@ class LearnerWorker:
                            self.config.loss.clip_eps, self.config.loss.importance_cap)  # fmt: skip
 
     def _clip_and_reduce_grads(self) -> float:
+        allreduce_tp_partial_grads(self.model)
         params = [p for p in self.model.parameters() if p.grad is not None]
         dp_group = self.ps.get_data_parallel_group()
         if self.ps.get_data_parallel_world_size() > 1:
             for p in params:  # loss weights already divide by the global step: sum, not mean
                 dist.all_reduce(p.grad, group=dp_group)
-        sharded = sum((p.grad.float().pow(2).sum() for p in params if getattr(p, "tensor_model_parallel", False)),
-                      torch.zeros(()))  # fmt: skip
-        replicated = sum((p.grad.float().pow(2).sum() for p in params if not getattr(p, "tensor_model_parallel", False)),
-                         torch.zeros(()))  # fmt: skip
+        # TP-sharded gradients hold disjoint pieces (sum their squares over the TP group); replicated ones
+        # are whole on every rank (count them once).
+        is_sharded = [bool(getattr(p, "tensor_model_parallel", False)) for p in params]
+        squares = [p.grad.float().pow(2).sum() for p in params]
+        sharded = sum((sq for sq, sh in zip(squares, is_sharded, strict=True) if sh), torch.zeros(()))
+        replicated = sum((sq for sq, sh in zip(squares, is_sharded, strict=True) if not sh), torch.zeros(()))
         dist.all_reduce(sharded, group=self.ps.get_tensor_model_parallel_group())
         norm = float((sharded + replicated).sqrt())
         coeff = self.config.optimizer.grad_clip / (norm + 1e-6)

@@ -35,8 +35,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer_json() -> str:
     """Return the `tokenizer.json` text of the character-level tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tokens = SPECIAL_TOKENS + CHARACTERS
     tokens += [f"<unused_{i}>" for i in range(VOCAB_SIZE - len(tokens))]

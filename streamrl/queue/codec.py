@@ -91,7 +91,8 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
     if (lens < 0).any():
         raise DecodeError("lens: negative response length")
     total = int(lens.sum())
-    ids, logprobs, versions = _array(msg, "ids", _I32, total), _array(msg, "lp", _F32, total), _array(msg, "ver", _I32, total)
+    ids, logprobs = _array(msg, "ids", _I32, total), _array(msg, "lp", _F32, total)
+    versions = _array(msg, "ver", _I32, total)
     rewards = _array(msg, "rew", _F32, len(lens))
     finish = _field(msg, "fin", list)
     if len(finish) != len(lens) or not all(f in FINISH_REASONS for f in finish):

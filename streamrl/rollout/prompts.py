@@ -18,8 +18,6 @@ from torchdata.nodes import BaseNode
 
 from streamrl.config import TaskConfig
 
-SYMBOLS = "#*@+%&=~"
-
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
@@ -79,7 +77,7 @@ class PromptSource(BaseNode[Prompt]):
 
     def next(self) -> Prompt:
         if self.prompts is None:
-            symbol = random.Random(self.seed * 1_000_003 + self.index).choice(SYMBOLS)
+            symbol = random.Random(self.seed * 1_000_003 + self.index).choice(self.task.symbols)
             self.index += 1
             return Prompt(f"repeat {symbol}", symbol)
         if self.index >= len(self._order):

@@ -18,7 +18,7 @@ import torch
 
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, megatron_names, stream_hf_weights
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import build_gpt_model
+from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 
 BATCH, SEQ, PAD_FROM = 2, 16, 11  # row 1 is row 0 right-padded from position PAD_FROM (labels from PAD_FROM-1)
@@ -49,6 +49,7 @@ def _megatron_logprobs_and_grads(
     ids, pos, labels = _inputs(hf_config["vocab_size"])
     logprobs = token_logprobs(model, ids, pos, labels)
     logprobs.sum().backward()
+    allreduce_tp_partial_grads(model)
     weights = {name: t.clone() for name, t in stream_hf_weights(model, hf_config)}
     # Gather gradients with the same TP layout logic as weights by viewing each grad as its parameter.
     params = list(model.parameters())
