@@ -1,9 +1,8 @@
 """End to end on one CPU box with every part real: vLLM engine, Redis stream, Megatron learner, publish.
 
 The reward can only rise if rollout → queue → learner → publish → rollout all work: a learner whose
-weights never reach the engine cannot change what the engine samples. The same live cluster then
-checks log-prob parity between the engine and the learner after the last publish (TP=1); the TP=2
-learner gets its own short run.
+weights never reach the engine cannot change what the engine samples. `test_logprob_parity` checks
+that after publishes from a TP=1 and a TP=2 learner the engine's log-probs equal the learner's.
 """
 
 from pathlib import Path
@@ -15,7 +14,7 @@ import ray
 from streamrl.config import Config, load_config
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
-from streamrl.orchestrate.train import prepare_run, publish_weights, run_steps
+from streamrl.orchestrate.train import prepare_run, publish_weights, train
 
 CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 PARITY_TOL = 1e-3
@@ -25,16 +24,25 @@ def _config(tmp_path: Path, *overrides: str) -> Config:
     return load_config(CONFIG, [f"run.dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", *overrides])
 
 
-def _assert_logprob_parity(cluster: Cluster, config: Config) -> None:
-    """The engine's log-probs of a fixed response equal the learner's, token by token."""
+def _fixed_sample(config: Config) -> tuple[list[int], list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "repeat #"}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)  # fmt: skip
-    response = tokenizer.encode("##a#*#", add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt, tokenizer.encode("##a#*#", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def _engine_logprobs(cluster: Cluster, config: Config) -> np.ndarray:
+    prompt, response = _fixed_sample(config)
+    return np.array(ray.get(cluster.engines[0].score.remote(prompt, response), timeout=60))
+
+
+def _assert_logprob_parity(cluster: Cluster, config: Config) -> None:
+    """The engine's log-probs of a fixed response equal the learner's, token by token."""
+    prompt, response = _fixed_sample(config)
     sequence = prompt + response
-    engine_lp = np.array(ray.get(cluster.engines[0].score.remote(prompt, response), timeout=60))
+    engine_lp = _engine_logprobs(cluster, config)
     per_rank = ray.get([r.logprobs.remote(sequence[:-1], sequence[1:]) for r in cluster.learners], timeout=60)
     learner_lp = np.array(per_rank[0][len(prompt) - 1 :])
     assert engine_lp.shape == learner_lp.shape == (len(response),)
@@ -44,10 +52,7 @@ def _assert_logprob_parity(cluster: Cluster, config: Config) -> None:
 @pytest.mark.slow
 def test_learning(tmp_path: Path) -> None:
     config = _config(tmp_path)
-    prepare_run(config)
-    with Cluster(config) as cluster:
-        result = run_steps(cluster, config, show_progress=False)
-        _assert_logprob_parity(cluster, config)
+    result = train(config, show_progress=False)
     history = read_history(config.run.dir)  # what W&B recorded, read back from the offline run files
     assert len(history) == config.train.steps
     rewards = np.array([row["rollout/reward_mean"] for row in history])
@@ -64,11 +69,16 @@ def test_learning(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_logprob_parity_tensor_parallel_2(tmp_path: Path) -> None:
-    config = _config(tmp_path, "learner.tensor_parallel=2", "train.steps=2", "wandb.mode=disabled")
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_logprob_parity(tmp_path: Path, tensor_parallel: int) -> None:
+    """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
+    config = _config(tmp_path, f"learner.tensor_parallel={tensor_parallel}", "train.steps=2", "wandb.mode=disabled")
     prepare_run(config)
     with Cluster(config) as cluster:
+        before = _engine_logprobs(cluster, config)
         for step in (1, 2):
             cluster.learner_step(step)
             publish_weights(cluster, step, config)
+        after = _engine_logprobs(cluster, config)
+        assert np.abs(after - before).max() > 1e-4  # the published weights did change the engine
         _assert_logprob_parity(cluster, config)

@@ -40,3 +40,13 @@ def test_bad_prompt_file_names_row_and_key(tmp_path: Path) -> None:
     path.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="row 1 has no key 'answer'"):
         PromptSource(TaskConfig(name="math", prompts_file=path), seed=0)
+
+
+def test_parquet_prompt_file(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=?", "2+2=?"], "answer": ["2", "4"]}), path)
+    source = PromptSource(TaskConfig(name="math", prompts_file=path), seed=0)
+    assert sorted(next(source).answer for _ in range(2)) == ["2", "4"]
