@@ -88,13 +88,21 @@ class OptimizerConfig(_Section):
 class QueueConfig(_Section):
     url: str | None = Field(None, description="redis:// or rediss:// URL; unset starts an embedded server.")
     password_env: str = Field("REDIS_PASSWORD", description="Environment variable holding the Redis password.")
+    username: str | None = Field(
+        None, min_length=1, description="Redis ACL user; unset uses $REDIS_USERNAME, else the default user."
+    )
     appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="Embedded server AOF fsync.")
     max_staleness: int = Field(4, ge=0, description="Drop groups whose oldest token is more versions behind.")
     max_backlog: int = Field(256, ge=1, description="Producers wait while this many groups are unconsumed.")
     read_block_ms: int = Field(1000, gt=0, description="Longest single blocking XREADGROUP.")
-    reclaim_idle_ms: int = Field(60_000, gt=0, description="Pending entries idle this long are reclaimed.")
+    reclaim_idle_ms: int = Field(
+        60_000, gt=0, description="Pending entries idle this long are reclaimed; must exceed the longest learner step."
+    )
     max_entry_bytes: int = Field(64 << 20, gt=0, description="Largest wire entry accepted by the decoder.")
     wait_timeout_s: float = Field(300.0, gt=0, description="Bound on waiting for a step's groups or for backlog.")
+    reconnect_timeout_s: float = Field(
+        30.0, ge=0, le=600, description="How long a client retries a lost connection (server restart) before failing."
+    )
 
 
 class BatchingConfig(_Section):

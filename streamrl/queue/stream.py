@@ -2,14 +2,24 @@
 
 Delivery contract:
 - `TrajectoryProducer.push` appends one entry per group; it waits (bounded) while the backlog of
-  unconsumed groups is at `max_backlog`, never trimming unread data.
+  unconsumed groups is at `max_backlog`, never trimming unread data. The append is idempotent per
+  group id (a Lua script checks and sets a marker in the same atomic step), so a push retried after
+  a lost reply returns the entry it already added instead of adding a second one.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`), then reads new ones. Entries that fail to decode go to the dead-letter
   stream with the reason and are acked; groups already trained on (their id is in the trained
-  set) are acked and skipped.
+  set) or already in this consumer's hands are acked and skipped.
 - `TrajectoryConsumer.commit` runs after the optimizer step: in one MULTI/EXEC it acks and deletes
   the entries and records their group ids in the trained set, so a redelivery is recognised.
-Every call is bounded by socket timeouts; dropped connections are retried with backoff.
+
+Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
+for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
+may run twice; each is harmless when it does: a push finds its marker; commit and drop (SADD, XACK,
+XDEL) are idempotent; a second dead letter only duplicates a diagnostic record. A read whose reply
+was lost leaves its entries pending under this consumer: they are not lost, the reclaim pass hands
+them back once they have been idle `reclaim_idle_ms`. A duplicate entry that reaches the stream
+anyway (written by another tool, or re-pushed after its marker expired) is skipped by the trained-set
+and in-hand checks.
 """
 
 from __future__ import annotations
@@ -19,18 +29,27 @@ import time
 from dataclasses import dataclass
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from streamrl.queue.codec import DecodeError, decode_group, encode_group
+from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
 
 CONSUMER_GROUP = "learners"
+# A push marker only has to outlive the retries of one push (bounded by the reconnect window, at most 600 s).
+PUSH_MARKER_TTL_MS = 3_600_000
+# KEYS: stream, marker of the group; ARGV: entry bytes, marker TTL in ms. Returns the group's entry id.
+_PUSH_SCRIPT = """
+local entry_id = redis.call('GET', KEYS[2])
+if entry_id then return entry_id end
+entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
+redis.call('SET', KEYS[2], entry_id, 'PX', ARGV[2])
+return entry_id
+"""
 
 
 @dataclass(frozen=True, slots=True)
 class QueueKeys:
-    """Redis key names of one run."""
+    """Redis key names of one run (an ACL user scoped to `~{prefix}:*` can use all of them)."""
 
     prefix: str
 
@@ -50,22 +69,32 @@ class QueueKeys:
     def policy_version(self) -> str:
         return f"{self.prefix}:policy_version"
 
+    def pushed(self, group_id: str) -> str:
+        """Marker holding the entry id a group was appended as (makes a retried push idempotent)."""
+        return f"{self.prefix}:pushed:{group_id}"
 
-def connect(url: str, password: str | None = None, timeout_s: float = 10.0, retries: int = 8) -> redis.Redis:
-    """A client whose every command is bounded and retried with exponential backoff on connection loss."""
+
+def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
+            username: str | None = None) -> redis.Redis:  # fmt: skip
+    """A client whose every command is bounded by `timeout_s` and retried on connection loss for `reconnect_timeout_s`.
+
+    `password` and `username` default to $REDIS_PASSWORD and $REDIS_USERNAME (an ACL user); a rediss:// URL
+    connects over TLS. A refused password raises PermissionError at once.
+    """
     password = password if password is not None else os.environ.get("REDIS_PASSWORD")
-    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries)
+    username = username if username is not None else os.environ.get("REDIS_USERNAME")
     client = redis.Redis.from_url(
-        url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=retry,
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
+        url, username=username, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        retry=ReconnectWindow(reconnect_timeout_s),
     )  # fmt: skip
+    who = f"user {username!r}" if username else "the default user"
     try:
         client.ping()
     except redis.AuthenticationError as exc:
-        raise PermissionError(f"queue: Redis at {url} refused the password ({exc})") from None
+        raise PermissionError(f"queue: Redis at {url} refused the password of {who} ({exc})") from None
     except redis.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-            raise PermissionError(f"queue: Redis at {url} refused the password ({exc})") from None
+            raise PermissionError(f"queue: Redis at {url} refused the password of {who} ({exc})") from None
         raise
     return client
 
@@ -79,6 +108,7 @@ class TrajectoryProducer:
         self.backpressure_wait_s = 0.0  # cumulative time spent waiting on the backlog (a metric)
 
     def push(self, groups: list[TrajectoryGroup]) -> list[str]:
+        """Append the groups in one round trip; returns their entry ids (the earlier ones for groups pushed before)."""
         deadline = time.monotonic() + self.wait_timeout_s
         # Consumed entries are deleted at commit, so XLEN counts exactly what is not yet trained on.
         while self.client.xlen(self.keys.stream) >= self.max_backlog:
@@ -91,7 +121,9 @@ class TrajectoryProducer:
             self.backpressure_wait_s += 0.05
         pipe = self.client.pipeline(transaction=False)
         for group in groups:
-            pipe.xadd(self.keys.stream, {"g": encode_group(group)})
+            # EVAL, not EVALSHA: a restarted server has an empty script cache, and the retry would hit NOSCRIPT.
+            pipe.eval(_PUSH_SCRIPT, 2, self.keys.stream, self.keys.pushed(group.group_id), encode_group(group),
+                      PUSH_MARKER_TTL_MS)  # fmt: skip
         return [eid.decode() for eid in pipe.execute()]
 
 
@@ -104,7 +136,10 @@ class TrajectoryConsumer:
         self.reclaim_idle_ms, self.max_entry_bytes = reclaim_idle_ms, max_entry_bytes
         self.dead_lettered = 0
         self.duplicates_skipped = 0
-        self._own_pending_checked = False
+        self._own_pending_from: str | None = "0"  # where the pass over own pending entries resumes; None: done
+        # Entry id -> group id of every group handed out and not yet committed or dropped. Own pending entries
+        # come back from the reclaim pass once idle; this keeps them from being handed out twice.
+        self._in_hand: dict[str, str] = {}
         try:
             client.xgroup_create(keys.stream, CONSUMER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -114,17 +149,19 @@ class TrajectoryConsumer:
     def read(self, count: int, block_ms: int) -> list[ConsumedGroup]:
         """Up to `count` groups: own pending first (after a restart), then reclaimed, then new entries."""
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
-        if not self._own_pending_checked:
-            # Entries this consumer name read before it restarted and never committed.
-            reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: "0"}, count=count)
-            entries += reply[0][1] if reply else []
-            self._own_pending_checked = len(entries) < count
+        if self._own_pending_from is not None:
+            # Entries this consumer name read before it restarted and never committed, `count` at a time.
+            own = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: self._own_pending_from},
+                                         count=count)  # fmt: skip
+            own = own[0][1] if own else []
+            entries += [e for e in own if e[1]]  # an entry deleted while pending comes back without fields
+            self._own_pending_from = own[-1][0].decode() if len(own) == count else None
         if len(entries) < count:
             reply = self.client.xautoclaim(
                 self.keys.stream, CONSUMER_GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=count - len(entries)
             )
             # Redis 6.2 answers [cursor, entries], 7+ adds deleted ids; deleted entries come back empty.
-            entries += [e for e in reply[1] if e and e[1]]
+            entries += [e for e in reply[1] if e and e[1] and e[0].decode() not in self._in_hand]
         if len(entries) < count:
             reply = self.client.xreadgroup(
                 CONSUMER_GROUP, self.consumer, {self.keys.stream: ">"}, count=count - len(entries), block=block_ms
@@ -144,12 +181,23 @@ class TrajectoryConsumer:
                 self._dead_letter(entry_id, fields, str(exc))
         if not good:
             return good
-        seen = self.client.smismember(self.keys.trained, [c.group.group_id for c in good])
-        duplicates = [c for c, dup in zip(good, seen, strict=True) if dup]
+        trained = self.client.smismember(self.keys.trained, [c.group.group_id for c in good])
+        in_hand = set(self._in_hand.values())
+        fresh: list[ConsumedGroup] = []
+        duplicates: list[str] = []
+        for consumed, was_trained in zip(good, trained, strict=True):
+            group_id = consumed.group.group_id
+            if was_trained or group_id in in_hand:
+                # Acking a copy is safe even if the one in hand is never committed: that one stays pending.
+                duplicates.append(consumed.entry_id)
+                continue
+            in_hand.add(group_id)
+            self._in_hand[consumed.entry_id] = group_id
+            fresh.append(consumed)
         if duplicates:
             self.duplicates_skipped += len(duplicates)
-            self._ack([c.entry_id for c in duplicates])
-        return [c for c, dup in zip(good, seen, strict=True) if not dup]
+            self._ack(duplicates)
+        return fresh
 
     def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
         payload = fields.get(b"g", b"")[: self.max_entry_bytes]
@@ -170,6 +218,7 @@ class TrajectoryConsumer:
         """Ack groups refused at admission (too stale); they are not recorded as trained."""
         if consumed:
             self._ack([c.entry_id for c in consumed])
+            self._release(consumed)
 
     def commit(self, consumed: list[ConsumedGroup]) -> None:
         """After the optimizer step: atomically ack + delete the entries and record their group ids."""
@@ -181,6 +230,11 @@ class TrajectoryConsumer:
         pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
         pipe.xdel(self.keys.stream, *entry_ids)
         pipe.execute()
+        self._release(consumed)
+
+    def _release(self, consumed: list[ConsumedGroup]) -> None:
+        for c in consumed:
+            self._in_hand.pop(c.entry_id, None)
 
     def backlog(self) -> int:
         """Groups in the stream not yet committed (unread plus pending)."""

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from streamrl.queue.codec import encode_group
 from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
 from tests.queue.test_codec import make_group
 
@@ -50,14 +51,43 @@ def test_restarted_consumer_gets_its_own_pending_first(redis_server, queue_keys)
     assert sorted(c.group.group_id for c in again) == ["g0", "g1"]
 
 
+def test_a_repeated_push_adds_no_entry(redis_server, queue_keys) -> None:
+    producer = _producer(redis_server, queue_keys)
+    first = producer.push([make_group([2], seed=5)])
+    again = producer.push([make_group([2], seed=5), make_group([2], seed=6)])  # what a retried push sends
+    assert again[0] == first[0] and again[1] != first[0]
+    assert producer.client.xlen(queue_keys.stream) == 2
+
+
 def test_trained_groups_are_skipped_on_redelivery(redis_server, queue_keys) -> None:
     producer = _producer(redis_server, queue_keys)
     consumer = _consumer(redis_server, queue_keys, "a")
     producer.push([make_group([2], seed=5)])
     consumer.commit(consumer.read(1, 100))
-    producer.push([make_group([2], seed=5), make_group([2], seed=6)])  # g5 again, e.g. a producer retry
+    # g5 again, appended past the producer's marker (another tool, or a marker that expired).
+    producer.client.xadd(queue_keys.stream, {"g": encode_group(make_group([2], seed=5))})
+    producer.push([make_group([2], seed=6)])
     assert [c.group.group_id for c in consumer.read(2, 100)] == ["g6"]
     assert consumer.duplicates_skipped == 1
+
+
+def test_copies_of_a_group_in_hand_are_skipped(redis_server, queue_keys) -> None:
+    client = connect(redis_server.url, redis_server.password)
+    consumer = _consumer(redis_server, queue_keys, "a")
+    for _ in range(2):
+        client.xadd(queue_keys.stream, {"g": encode_group(make_group([2], seed=7))})
+    assert [c.group.group_id for c in consumer.read(1, 100)] == ["g7"]
+    assert consumer.read(1, 100) == []  # the second copy arrives while the first is in hand
+    assert consumer.duplicates_skipped == 1
+    assert consumer.read(2, 100) == [] and consumer.backlog() == 1  # the one in hand stays pending
+
+
+def test_a_consumer_that_read_a_full_batch_before_restarting_gets_all_its_pending(redis_server, queue_keys) -> None:
+    _producer(redis_server, queue_keys).push([make_group([2], seed=i) for i in range(5)])
+    assert len(_consumer(redis_server, queue_keys, "learner-0").read(5, 100)) == 5
+    restarted = _consumer(redis_server, queue_keys, "learner-0")
+    batches = [restarted.read(2, 10) for _ in range(3)]
+    assert [[c.group.group_id for c in b] for b in batches] == [["g0", "g1"], ["g2", "g3"], ["g4"]]
 
 
 def test_malformed_entry_goes_to_dead_letters_and_consumer_continues(redis_server, queue_keys) -> None:
@@ -85,4 +115,4 @@ def test_producer_waits_for_backlog_then_times_out(redis_server, queue_keys) -> 
 
 def test_wrong_password_is_refused(redis_server) -> None:
     with pytest.raises(PermissionError, match="refused the password"):
-        connect(redis_server.url, "not-the-password", retries=0)
+        connect(redis_server.url, "not-the-password")
