@@ -26,6 +26,7 @@ class RunConfig(_Section):
     name: str = Field("streamrl", description="Run name, used for the W&B run and Redis key prefix.")
     dir: Path = Field(Path("runs/default"), description="Run directory: resolved config, Redis AOF, W&B files.")
     seed: int = Field(0, description="Seed for prompts, sampling and model initialisation.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where learners and weight transfers run (gloo/NCCL).")
 
 
 class TinyModelInit(_Section):
@@ -60,6 +61,10 @@ class RolloutConfig(_Section):
     kv_cache_bytes: int = Field(64 << 20, gt=0, description="KV cache budget per engine, bytes (bounded on CPU).")
     max_model_len: int = Field(256, gt=0, description="Longest prompt + response an engine accepts.")
     start_timeout_s: float = Field(300.0, gt=0, description="Bound on an engine's start-up.")
+    weight_update: Literal["inflight", "drain"] = Field(
+        "inflight", description="Apply a new version between decoding steps (inflight) or once no request runs."
+    )
+    restart_dead_engines: bool = Field(True, description="Replace an engine that died; it catches up by itself.")
 
 
 class LearnerConfig(_Section):
@@ -106,8 +111,29 @@ class QueueConfig(_Section):
 
 
 class BatchingConfig(_Section):
-    groups_per_step: int = Field(8, ge=1, description="GRPO groups consumed by one optimizer step.")
-    max_tokens_per_microbatch: int = Field(4096, gt=0, description="Token budget of one forward/backward.")
+    groups_per_step: int = Field(
+        8, ge=1, description="GRPO groups consumed by one optimizer step (the minimum when tokens_per_step is set)."
+    )
+    tokens_per_step: int | None = Field(
+        None, gt=0, description="If set, a step takes whole groups in arrival order until their prompt + response "
+        "tokens reach this budget (streamrl.batching.compose); groups are never split across steps."
+    )  # fmt: skip
+    max_tokens_per_microbatch: int = Field(
+        4096, gt=0, description="Token budget of one packed forward/backward (a longer sequence runs alone)."
+    )
+    cost_linear: float | None = Field(
+        None, gt=0, description="Per-token cost a in a*L + b*L^2 used to balance data-parallel ranks "
+        "(unset: derived from the model shape, streamrl.batching.cost)."
+    )  # fmt: skip
+    cost_quadratic: float | None = Field(
+        None, ge=0, description="Attention cost b in a*L + b*L^2 (unset: derived from the model shape)."
+    )
+
+    @model_validator(mode="after")
+    def _costs_together(self) -> BatchingConfig:
+        if (self.cost_linear is None) != (self.cost_quadratic is None):
+            raise ValueError("batching.cost_quadratic: set cost_linear and cost_quadratic together, or neither")
+        return self
 
 
 class TrainConfig(_Section):

@@ -26,9 +26,10 @@ from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import init_parallel
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
 from streamrl.queue.codec import decode_group, encode_group
+from streamrl.queue.server import free_port
 from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, connect
 from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
-from streamrl.weights.buckets import pack_buckets
+from streamrl.weights.transport import WeightGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +58,7 @@ class LearnerWorker:
                                                "learner-0", config.queue.reclaim_idle_ms,
                                                config.queue.max_entry_bytes)  # fmt: skip
         self.dropped_stale = 0
+        self.weights: WeightGroup | None = None
 
     def ready(self) -> int:
         return self.rank
@@ -170,15 +172,32 @@ class LearnerWorker:
         }  # fmt: skip
 
     # -- publishing -------------------------------------------------------------------------------
-    def export_weights(self, bucket_bytes: int) -> list[bytes]:
-        """All ranks take part (TP gathers); rank 0 returns the version as HF-named buckets in the engine dtype."""
+    def weight_group_address(self) -> tuple[str, int]:
+        """Rank 0: where engines reach its weight-group store (this node's IP and a free port)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def open_weight_group(self, host: str, port: int, world_size: int, generation: int) -> None:
+        """Rank 0 becomes the publisher (rank 0) of a new weight group; a previous one is dropped."""
+        if self.rank == 0:
+            self.weights = WeightGroup(host, port, 0, world_size, generation, self.config.train.publish_timeout_s,
+                                       device=self.config.run.device)  # fmt: skip
+
+    def publish(self, version: int) -> dict[str, float]:
+        """All ranks stream the model in HF names (TP shards gathered, cast to the engine dtype);
+        rank 0 sends it bucket by bucket to every engine. Never materialises the whole model."""
         dtype = _DTYPES[self.config.rollout.dtype]
         named = ((name, tensor.to(dtype)) for name, tensor in stream_hf_weights(self.model, self.hf_config))
         if self.rank != 0:
-            for _ in named:  # drive the gathers this rank takes part in
+            for _ in named:  # drive the TP gathers this rank takes part in
                 pass
-            return []
-        return list(pack_buckets(named, bucket_bytes))
+            return {}
+        if self.weights is None:
+            raise RuntimeError("learner: publish before open_weight_group")
+        stats = self.weights.publish(version, named, self.config.train.publish_bucket_bytes)
+        return {"perf/publish_gbps": stats.gbps, "perf/publish_buckets": stats.buckets,
+                "perf/publish_bytes": stats.bytes}  # fmt: skip
 
     def logprobs(self, input_ids: list[int], labels: list[int]) -> list[float]:
         """Log-prob of each label under the current weights (parity checks); all ranks must call it."""

@@ -1,14 +1,21 @@
-"""Process placement: the Redis server, a Ray instance, engine actors and learner-rank actors.
+"""Process placement and fault handling: Redis, Ray, engine actors, learner-rank actors, weight group.
 
-`Cluster` is a context manager: on enter it starts (or connects to) Redis, starts local Ray
-(dashboard off) or joins `RAY_ADDRESS`, creates the engines and learner ranks and waits for them
-(bounded), then starts every engine's generation loop. On exit it stops the loops, kills the
-actors it created, shuts Ray down and stops the Redis server it started. Every wait names what it
-was waiting for when it times out.
+`Cluster` is a context manager. On enter it starts (or connects to) Redis, starts local Ray
+(dashboard off) or joins `RAY_ADDRESS`, creates engines and learner ranks, waits for them
+(bounded), forms the weight group (learner rank 0 publishes, engines receive) and starts every
+engine's generation loop. On exit it stops the loops, kills the actors it created, shuts Ray down
+and stops the Redis server it started.
+
+Faults: an engine whose actor died (found by a failed publish or a finished loop) is dropped; the
+weight group is rebuilt for the survivors (a new generation) and the publish is retried, so one
+dead engine never blocks the learner beyond `train.publish_timeout_s`. With
+`rollout.restart_dead_engines` a replacement starts in its slot; it reads the announced version
+from Redis, sees it lags, and the next publish carries the learner's weights to it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -16,14 +23,19 @@ from streamrl.config import Config
 from streamrl.queue.server import EmbeddedRedis, free_port
 from streamrl.queue.stream import QueueKeys, connect
 
+logger = logging.getLogger(__name__)
+
 
 class Cluster:
     def __init__(self, config: Config):
         self.config = config
         self.redis: EmbeddedRedis | None = None
-        self.engines: list[Any] = []
-        self.learners: list[Any] = []
+        self.engines: list[Any] = []  # slot i holds the actor of engine i (replaced on restart)
         self.engine_loops: list[Any] = []
+        self.learners: list[Any] = []
+        self.weight_generation = 0
+        self.weight_group_stale = True
+        self.engines_restarted = 0
         self._started_ray = False
 
     def __enter__(self) -> Cluster:
@@ -53,39 +65,114 @@ class Cluster:
             ray.init(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
                      object_store_memory=512 << 20, configure_logging=False)  # fmt: skip
             self._started_ray = True
+        gpus = 1 if config.run.device == "cuda" else 0
+        self._engine_cls = ray.remote(RolloutWorker).options(num_cpus=0, num_gpus=gpus, max_concurrency=8)
+        learner_cls = ray.remote(LearnerWorker).options(num_cpus=0, num_gpus=gpus)
         world = config.learner.tensor_parallel * config.learner.data_parallel
         port = config.learner.master_port or free_port()
-        engine_cls = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=4)
-        learner_cls = ray.remote(LearnerWorker).options(num_cpus=0)
-        self.engines = [engine_cls.remote(config, i, self.redis_url, self.redis_password)
-                        for i in range(config.rollout.engines)]  # fmt: skip
+        self.engines = [self._new_engine(i) for i in range(config.rollout.engines)]
         self.learners = [learner_cls.remote(config, r, world, "127.0.0.1", port, self.redis_url, self.redis_password)
                          for r in range(world)]  # fmt: skip
         self.get([e.ready.remote() for e in self.engines], config.rollout.start_timeout_s, "engine start-up")
         self.get([r.ready.remote() for r in self.learners], config.learner.step_timeout_s, "learner start-up")
         self.announce_version(0)
+        self.form_weight_group()
         self.engine_loops = [e.run.remote() for e in self.engines]
 
+    def _new_engine(self, index: int) -> Any:
+        return self._engine_cls.remote(self.config, index, self.redis_url, self.redis_password)
+
     def get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
-        """ray.get with a bound; a timeout names `what`, and a dead engine loop surfaces its error first."""
+        """ray.get with a bound; a timeout names `what`."""
         import ray
 
-        self._check_engine_loops()
         try:
             return ray.get(refs, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            self._check_engine_loops()
             raise TimeoutError(f"{what}: no answer within {timeout_s}s") from None
 
-    def _check_engine_loops(self) -> None:
+    # -- weights ----------------------------------------------------------------------------------
+    def form_weight_group(self) -> None:
+        """A new weight group: learner rank 0 publishes to every live engine (collective set-up)."""
+        self.weight_generation += 1
+        host, port = self.get([self.learners[0].weight_group_address.remote()], 60, "weight group address")[0]
+        world = len(self.engines) + 1
+        refs = [self.learners[0].open_weight_group.remote(host, port, world, self.weight_generation)]
+        refs += [e.join_weight_group.remote(host, port, i + 1, world, self.weight_generation)
+                 for i, e in enumerate(self.engines)]  # fmt: skip
+        self.get(refs, self.config.train.publish_timeout_s, f"weight group {self.weight_generation} set-up")
+        self.weight_group_stale = False
+
+    def publish(self, version: int) -> dict[str, float]:
+        """Send `version` to every engine; a dead engine is replaced (or dropped) and the publish retried."""
+        import ray
+
+        for attempt in (1, 2):
+            if self.weight_group_stale:
+                self.form_weight_group()
+            receives = [e.receive_weights.remote() for e in self.engines]
+            sends = [rank.publish.remote(version) for rank in self.learners]
+            try:
+                stats = self.get(sends, self.config.train.publish_timeout_s, f"publish of version {version}")[0]
+                running = self.get(receives, self.config.train.publish_timeout_s, f"engines applying {version}")
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                if not self.replace_dead_engines() or attempt == 2:
+                    raise RuntimeError(f"publish of version {version} failed and no engine was found dead") from exc
+                logger.warning("publish of version %d hit a dead engine; retrying (%s)", version, exc)
+                continue
+            if any(v != version for v in running):
+                raise RuntimeError(f"publish of version {version}: engines report versions {running}")
+            self.announce_version(version)
+            return stats
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def replace_dead_engines(self) -> bool:
+        """Find engines whose actor died; restart (or drop) them. True if any was dead."""
+        import ray
+
+        dead = []
+        for index, engine in enumerate(self.engines):
+            try:
+                ray.get(engine.policy_version.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(index)
+        for index in reversed(dead):
+            logger.warning("engine-%d is dead", index)
+            ray.kill(self.engines[index])
+            if self.config.rollout.restart_dead_engines:
+                self.engines[index] = self._new_engine(index)
+                self.get([self.engines[index].ready.remote()], self.config.rollout.start_timeout_s,
+                         f"restart of engine-{index}")  # fmt: skip
+                self.engine_loops[index] = self.engines[index].run.remote()
+                self.engines_restarted += 1
+            else:
+                del self.engines[index], self.engine_loops[index]
+        if dead:
+            self.weight_group_stale = True
+        if not self.engines:
+            raise RuntimeError("rollout: every engine is dead")
+        return bool(dead)
+
+    def check_engines(self) -> None:
+        """Surface an engine loop that stopped: a dead actor is replaced, an exception is raised here."""
         import ray
 
         done, _ = ray.wait(self.engine_loops, num_returns=len(self.engine_loops), timeout=0)
         for ref in done:
-            ray.get(ref)  # raises the engine's exception
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self.replace_dead_engines()
+                return
             raise RuntimeError("rollout: an engine loop stopped on its own")
 
+    def announce_version(self, version: int) -> None:
+        """The latest complete version, for engines that join later and for operators."""
+        self.redis_client.set(QueueKeys(self.config.run.name).policy_version, version)
+
+    # -- steps and stats --------------------------------------------------------------------------
     def learner_step(self, step: int) -> dict[str, float]:
+        self.check_engines()
         results = self.get([r.step.remote() for r in self.learners], self.config.learner.step_timeout_s,
                            f"learner step {step}")  # fmt: skip
         return results[0]
@@ -93,11 +180,9 @@ class Cluster:
     def engine_stats(self) -> dict[str, float]:
         stats = self.get([e.stats.remote() for e in self.engines], 30.0, "engine stats")
         # Counters add up over engines; for versions the laggard is what matters.
-        return {key: (min if key.endswith("version") else sum)(s[key] for s in stats) for key in stats[0]}
-
-    def announce_version(self, version: int) -> None:
-        """The latest complete version, for engines that join later and for operators."""
-        self.redis_client.set(QueueKeys(self.config.run.name).policy_version, version)
+        merged = {key: (min if key.endswith("version") else sum)(s[key] for s in stats) for key in stats[0]}
+        merged["rollout/engines_restarted"] = self.engines_restarted
+        return merged
 
     def __exit__(self, *exc: object) -> None:
         import ray

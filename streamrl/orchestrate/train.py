@@ -5,7 +5,7 @@
 prompts →  │ engines ──XADD──▶ stream ──XREADGROUP──▶ learner rank 0 ──broadcast──▶ ranks   │
 (torchdata)│   ▲                                   XACK + trained ids after the step       │
            └───┼───────────────────────────────────────────────────────────────────────────┘
-               └──── weights: HF-named buckets, learner rank 0 ──Ray object store──▶ engines
+               └──── weights: HF-named buckets, learner rank 0 ──gloo/NCCL broadcast──▶ engines
 ```
 
 | loop              | consumes                    | produces                      | waits for                      |
@@ -49,16 +49,12 @@ def ensure_model(config: Config) -> None:
         raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
 
 
-def publish_weights(cluster: Cluster, version: int, config: Config) -> float:
-    """Stream the learner's weights to every engine as `version`; returns the seconds it took."""
+def publish_weights(cluster: Cluster, version: int) -> dict[str, float]:
+    """Stream the learner's weights to every engine as `version`; returns publish metrics."""
     start = time.perf_counter()
-    exports = [rank.export_weights.remote(config.train.publish_bucket_bytes) for rank in cluster.learners]
-    # Rank 0's buckets go to the engines as an object reference: the bytes move through Ray's object
-    # store from the learner to each engine, never through this driver.
-    updates = [engine.update_weights.remote(version, exports[0]) for engine in cluster.engines]
-    cluster.get(exports[1:] + updates, config.train.publish_timeout_s, f"publish of version {version}")
-    cluster.announce_version(version)
-    return time.perf_counter() - start
+    metrics = cluster.publish(version)
+    metrics["perf/publish_s"] = time.perf_counter() - start
+    return metrics
 
 
 def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> RunResult:
@@ -67,8 +63,9 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
     try:
         for step in range(1, config.train.steps + 1):
             metrics = cluster.learner_step(step)
-            if step % config.train.publish_every == 0:
-                metrics["perf/publish_s"] = publish_weights(cluster, step, config)
+            # A replaced engine (stale weight group) gets the current weights now, not at the next cadence.
+            if step % config.train.publish_every == 0 or cluster.weight_group_stale:
+                metrics.update(publish_weights(cluster, step))
             metrics.update(cluster.engine_stats())
             monitor.log(step, metrics)
     finally:

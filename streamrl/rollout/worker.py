@@ -1,25 +1,39 @@
 """A rollout engine process: prompts → vLLM → rewards → Redis stream, continuously.
 
-`RolloutWorker.run()` loops until `stop()`: it takes `prompts_per_batch` prompts from the resumable
-prompt stream, samples `n` responses each with the running policy, scores them and pushes one
-TrajectoryGroup per prompt. `update_weights` runs on another thread of the same actor; a lock
-makes it wait for the batch being sampled, so a version is applied whole between batches and every
-token of a batch carries the version it was sampled under.
+Threads of the actor and what they own:
+- the loop (`run()`): the only thread that touches vLLM. It keeps `prompts_per_batch` prompts in
+  flight (continuous batching), steps the engine, scores and pushes each finished group, and
+  between two steps applies a received weight version (in flight: running requests continue and
+  recompute their KV; `rollout.weight_update=drain`: new prompts wait until the engine is empty).
+  When the stream's backlog is at `queue.max_backlog` it holds finished groups and submits no new
+  prompts, but keeps applying weight updates, so backpressure can never deadlock a publish.
+- receivers (`receive_weights()`): block in the weight group until a whole version has arrived,
+  hand it to the loop and wait until it is applied.
+- callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
+Every token is stamped with the version it was sampled under (invariant 1).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
 from streamrl.config import Config
 from streamrl.queue.stream import QueueKeys, TrajectoryProducer, connect
 from streamrl.rewards import build_reward
-from streamrl.rollout.prompts import PromptSource
+from streamrl.rollout.engine import Sample
+from streamrl.rollout.prompts import Prompt, PromptSource
 from streamrl.types import Trajectory, TrajectoryGroup
+from streamrl.weights.transport import WeightGroup
+
+_IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
 
 
 class RolloutWorker:
@@ -37,78 +51,160 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         self.prompts = PromptSource(config.task, seed=config.run.seed * 1000 + engine_index)
         self.reward = build_reward(config.task)
-        client = connect(redis_url, redis_password)
-        self.producer = TrajectoryProducer(
-            client, QueueKeys(config.run.name), config.queue.max_backlog, config.queue.wait_timeout_s
-        )
-        self._lock = threading.Lock()
+        self.keys = QueueKeys(config.run.name)
+        self.redis = connect(redis_url, redis_password)
+        self.producer = TrajectoryProducer(self.redis, self.keys, config.queue.max_backlog, config.queue.wait_timeout_s)
+        self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
+        self._outbox: list[TrajectoryGroup] = []
+        self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._pending: tuple[int, list[Any], Future[int]] | None = None  # a received version to apply
+        self._pending_lock = threading.Lock()
+        self._loop_running = threading.Event()
         self._stop = threading.Event()
-        self.groups_pushed = self.tokens_generated = 0
-        self.generate_s = 0.0
+        self.weights: WeightGroup | None = None
+        self.groups_pushed = self.tokens_generated = self.versions_applied = 0
+        self.backpressure_s = 0.0
 
-    def ready(self) -> str:
-        return self.engine_id
+    def ready(self) -> dict[str, Any]:
+        """Identity, the version this engine runs and the latest one announced (a restarted engine lags)."""
+        announced = self.redis.get(self.keys.policy_version)
+        return {"engine_id": self.engine_id, "version": self.engine.policy_version,
+                "announced_version": int(announced) if announced is not None else 0}  # fmt: skip
 
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def _sample_batch(self) -> list[TrajectoryGroup]:
-        rollout = self.config.rollout
-        prompts = [next(self.prompts) for _ in range(rollout.prompts_per_batch)]
-        prompt_ids = [
-            self.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
-            for p in prompts
-        ]  # fmt: skip
-        start = time.perf_counter()
-        with self._lock:
-            version = self.engine.policy_version
-            samples = self.engine.generate(prompt_ids, rollout.n, rollout.max_tokens, rollout.temperature,
-                                           rollout.top_p, seed=None)  # fmt: skip
-        self.generate_s += time.perf_counter() - start
-        groups = []
-        for prompt, ids, group_samples in zip(prompts, prompt_ids, samples, strict=True):
-            trajectories = tuple(
-                Trajectory(
-                    response_ids=np.asarray(s.token_ids, dtype=np.int32),
-                    logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                    versions=np.full(len(s.token_ids), version, dtype=np.int32),
-                    reward=float(self.reward(s.text, prompt.answer)),
-                    finish_reason=s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
-                )
-                for s in group_samples
-            )
-            self.tokens_generated += sum(len(t.response_ids) for t in trajectories)
-            groups.append(TrajectoryGroup(uuid.uuid4().hex, self.engine_id, np.asarray(ids, np.int32), trajectories))
-        return groups
-
+    # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
         """Generate until stopped; returns the number of groups pushed."""
-        while not self._stop.is_set():
-            groups = self._sample_batch()
-            self.producer.push(groups)
-            self.groups_pushed += len(groups)
+        self._loop_running.set()
+        try:
+            while not self._stop.is_set():
+                self._run_tasks()
+                self._apply_pending()
+                flushed = self._flush_outbox()
+                if flushed and not self._draining():
+                    self._top_up()
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                    self._collect()
+                else:
+                    time.sleep(_IDLE_S)
+        finally:
+            self._loop_running.clear()
+            self._run_tasks()
         return self.groups_pushed
 
     def stop(self) -> None:
         self._stop.set()
 
-    def update_weights(self, version: int, buckets: list[bytes]) -> int:
-        """Apply a whole published version between batches; returns the version now running."""
-        with self._lock:
-            self.engine.load_weights(version, buckets)
-        return self.engine.policy_version
+    def _draining(self) -> bool:
+        return self._pending is not None and self.config.rollout.weight_update == "drain"
 
+    def _top_up(self) -> None:
+        rollout = self.config.rollout
+        while len(self._in_flight) < rollout.prompts_per_batch:
+            prompt = next(self.prompts)
+            message = [{"role": "user", "content": prompt.text}]
+            ids = self.tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)  # fmt: skip
+            request_id = uuid.uuid4().hex
+            self.engine.submit(request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p)
+            self._in_flight[request_id] = (prompt, ids)
+
+    def _collect(self) -> None:
+        for request_id, samples in self.engine.pop_finished().items():
+            prompt, ids = self._in_flight.pop(request_id)
+            self._outbox.append(self._group(request_id, prompt, ids, samples))
+
+    def _group(self, request_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[Sample]) -> TrajectoryGroup:
+        trajectories = tuple(
+            Trajectory(
+                response_ids=np.asarray(s.token_ids, dtype=np.int32),
+                logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                versions=np.asarray(s.versions, dtype=np.int32),
+                reward=float(self.reward(s.text, prompt.answer)),
+                finish_reason=s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
+            )
+            for s in samples
+        )
+        self.tokens_generated += sum(len(t.response_ids) for t in trajectories)
+        return TrajectoryGroup(request_id, self.engine_id, np.asarray(prompt_ids, np.int32), trajectories)
+
+    def _flush_outbox(self) -> bool:
+        """Push held groups if the stream has room; False while backpressure holds them back."""
+        if not self._outbox:
+            return True
+        if self.redis.xlen(self.keys.stream) >= self.config.queue.max_backlog:
+            self.backpressure_s += _IDLE_S
+            return False
+        self.producer.push(self._outbox)
+        self.groups_pushed += len(self._outbox)
+        self._outbox = []
+        return True
+
+    def _run_tasks(self) -> None:
+        while True:
+            try:
+                task, future = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(task())
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(exc)
+
+    def _on_loop(self, task: Callable[[], Any], timeout_s: float) -> Any:
+        """Run `task` on the loop thread (or inline when no loop runs) and wait for its result."""
+        if not self._loop_running.is_set():
+            return task()
+        future: Future[Any] = Future()
+        self._tasks.put((task, future))
+        return future.result(timeout=timeout_s)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, generation: int) -> None:
+        """Become receiver `rank` of a new weight group (collective with the publisher's side)."""
+        self.weights = WeightGroup(host, port, rank, world_size, generation, self.config.train.publish_timeout_s,
+                                   device=self.config.run.device)  # fmt: skip
+
+    def receive_weights(self) -> int:
+        """Receive one whole version, have the loop apply it between steps; returns the version running."""
+        if self.weights is None:
+            raise RuntimeError(f"{self.engine_id}: not in a weight group")
+        version, tensors = self.weights.receive()
+        future: Future[int] = Future()
+        with self._pending_lock:
+            self._pending = (version, tensors, future)
+        if not self._loop_running.is_set():
+            self._apply_pending()
+        return future.result(timeout=self.config.train.publish_timeout_s)
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            pending = self._pending
+            if pending is None or (self._draining() and self.engine.has_unfinished()):
+                return
+            self._pending = None
+        version, tensors, future = pending
+        try:
+            if version != self.engine.policy_version:  # a catch-up publish may resend the running version
+                self.engine.load_weights(version, tensors)
+                self.versions_applied += 1
+            future.set_result(self.engine.policy_version)
+        except Exception as exc:  # noqa: BLE001 - the receiver reports it; the old version keeps running
+            future.set_exception(exc)
+
+    # -- inspection -------------------------------------------------------------------------------
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """The running policy's logprob of each response token (for parity checks)."""
-        with self._lock:
-            return self.engine.score(prompt_ids, response_ids)
+        return self._on_loop(lambda: self.engine.score(prompt_ids, response_ids), timeout_s=60.0)
 
     def stats(self) -> dict[str, float]:
         return {
             "rollout/groups_pushed": self.groups_pushed,
             "rollout/tokens_generated": self.tokens_generated,
-            "rollout/generate_s": self.generate_s,
-            "rollout/backpressure_wait_s": self.producer.backpressure_wait_s,
+            "rollout/backpressure_s": self.backpressure_s,
+            "rollout/versions_applied": self.versions_applied,
             "rollout/engine_version": self.engine.policy_version,
         }

@@ -1,11 +1,11 @@
-"""vLLM worker extension: apply a whole policy version of weight buckets in place.
+"""vLLM worker extension: apply a whole policy version of weights in place.
 
 Contract
 --------
 `WeightReloadExtension` is passed to vLLM as `worker_extension_cls` (by dotted path) and mixed
 into every worker; its methods run there through `LLM.collective_rpc`:
 
-- `streamrl_apply_buckets(buckets)` takes the safetensors blobs of ONE complete version (HF
+- `streamrl_apply_weights(tensors)` takes ONE complete version as `(hf_name, tensor)` pairs (HF
   checkpoint names, e.g. `model.layers.0.self_attn.q_proj.weight`) and loads them in a single
   layerwise-reload sequence: `initialize_layerwise_reload(model)` → `model.load_weights(...)` for
   every tensor → `finalize_layerwise_reload(model, model_config)`. Before anything is touched,
@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from streamrl.weights.buckets import unpack_bucket
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -74,15 +72,17 @@ def validate_version(
 class WeightReloadExtension:
     """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
 
-    def streamrl_apply_buckets(self, buckets: list[bytes]) -> dict[str, Any]:
-        """Validate then load one complete version from safetensors `buckets`; see module docstring."""
+    def streamrl_apply_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Validate then load one complete version; see module docstring.
+
+        The engine runs vLLM's in-process executor, so the tensors arrive here by reference.
+        """
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
         shapes, optional = self._streamrl_expected_shapes()
-        # Decode and validate everything first: once initialize_layerwise_reload has moved the
-        # layers to meta tensors there is no way back to the old weights.
-        tensors = [pair for blob in buckets for pair in unpack_bucket(blob)]
+        # Validate everything first: once initialize_layerwise_reload has moved the layers to meta
+        # tensors there is no way back to the old weights.
         validate_version(tensors, shapes, optional)
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]

@@ -78,7 +78,7 @@ def test_logprob_parity(tmp_path: Path, tensor_parallel: int) -> None:
         before = _engine_logprobs(cluster, config)
         for step in (1, 2):
             cluster.learner_step(step)
-            publish_weights(cluster, step, config)
+            publish_weights(cluster, step)
         after = _engine_logprobs(cluster, config)
         assert np.abs(after - before).max() > 1e-4  # the published weights did change the engine
         _assert_logprob_parity(cluster, config)

@@ -1,5 +1,6 @@
 """VLLMEngine: generation logprobs, logprob parity with HF transformers after an in-place weight
-update, and rejection of malformed versions (unknown name, missing tensor, wrong shape) without
+update, an update in flight (requests continue, later tokens carry the new version and its
+log-probs), and rejection of malformed versions (unknown name, missing tensor, wrong shape) without
 touching the live weights.
 
 All tests share the session-scoped `vllm_engine` (see tests/conftest.py) and therefore never
@@ -17,9 +18,7 @@ import pytest
 import torch
 
 from streamrl.rollout.engine import VLLMEngine
-from streamrl.weights.buckets import pack_buckets
 
-BUCKET_BYTES = 256 * 1024  # small enough that the tiny model spans several buckets
 Named = list[tuple[str, torch.Tensor]]
 
 
@@ -63,8 +62,7 @@ def test_generate_shapes_and_logprobs(vllm_engine: VLLMEngine, tiny_model_dir: P
             assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.logprobs)
             assert sample.finish_reason in ("stop", "length")
             assert isinstance(sample.text, str)
-            if sample.cumulative_logprob is not None:
-                assert sum(sample.logprobs) == pytest.approx(sample.cumulative_logprob, abs=1e-4)
+            assert sample.versions == [vllm_engine.policy_version] * len(sample.token_ids)
 
 
 def test_load_weights_matches_hf_logprobs(vllm_engine: VLLMEngine, seed1_model_dir: Path) -> None:
@@ -74,9 +72,7 @@ def test_load_weights_matches_hf_logprobs(vllm_engine: VLLMEngine, seed1_model_d
     version = vllm_engine.policy_version + 1
 
     hf = _hf_model(seed1_model_dir)
-    buckets = list(pack_buckets(hf.named_parameters(), BUCKET_BYTES))
-    assert len(buckets) > 1
-    vllm_engine.load_weights(version, buckets)
+    vllm_engine.load_weights(version, [(n, t.detach()) for n, t in hf.named_parameters()])
 
     after = vllm_engine.score(prompt, response)
     expected = _hf_logprobs(hf, prompt, response)
@@ -120,8 +116,30 @@ def test_bad_version_rejected_and_weights_kept(
     # Built from a full, valid version, so only the corruption can trigger the rejection.
     valid = list(_hf_model(seed1_model_dir).named_parameters())
     with pytest.raises(ValueError, match=re.escape(message)):
-        vllm_engine.load_weights(version + 1, list(pack_buckets(corrupt(valid), BUCKET_BYTES)))
+        vllm_engine.load_weights(version + 1, corrupt(valid))
 
     assert vllm_engine.policy_version == version
     assert vllm_engine.llm.collective_rpc("streamrl_weight_checksum") == [checksum_before]
     assert vllm_engine.score(prompt, response) == before
+
+
+def test_update_in_flight_keeps_requests_and_stamps_versions(
+    vllm_engine: VLLMEngine, tiny_model_dir: Path, seed1_model_dir: Path
+) -> None:
+    """Requests running across an update finish; tokens after it carry the new version and its log-probs."""
+    prompt = _encode(tiny_model_dir, "<|im_start|>user\nrepeat #<|im_end|>\n<|im_start|>assistant\n")
+    old = vllm_engine.policy_version
+    vllm_engine.submit("inflight", prompt, n=2, max_tokens=10, seed=7)
+    for _ in range(3):
+        vllm_engine.step()
+    new_model = _hf_model(seed1_model_dir)
+    vllm_engine.load_weights(old + 1, [(n, t.detach()) for n, t in new_model.named_parameters()])
+    while vllm_engine.has_unfinished():
+        vllm_engine.step()
+    (samples,) = vllm_engine.pop_finished(["inflight"]).values()
+    for sample in samples:
+        if len(sample.token_ids) <= 3:
+            continue  # stopped before the update
+        assert sample.versions[:3] == [old] * 3 and set(sample.versions[3:]) == {old + 1}
+        expected = _hf_logprobs(new_model, prompt + sample.token_ids[:3], sample.token_ids[3:])
+        assert max(abs(a - e) for a, e in zip(sample.logprobs[3:], expected, strict=True)) < 1e-4
