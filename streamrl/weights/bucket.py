@@ -18,6 +18,7 @@ import torch
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                                       torch.int64, torch.int32, torch.uint8)}  # fmt: skip
 MANIFEST_SCHEMA = 1
+ALIGN = 16  # every tensor starts on a 16-byte boundary so any dtype can view it (and GPU copies vectorise)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,15 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def bucket_nbytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """Buffer bytes that `pack` needs for this bucket (alignment included)."""
+    return sum(_aligned(tensor_nbytes(t)) for _, t in bucket)
+
+
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
     """Group the stream into buckets of at most `bucket_bytes` (a larger tensor is a bucket of its own)."""
@@ -69,11 +79,11 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
-        if pending and size + tensor_nbytes(tensor) > bucket_bytes:
+        if pending and size + _aligned(tensor_nbytes(tensor)) > bucket_bytes:
             yield pending
             pending, size = [], 0
         pending.append((name, tensor))
-        size += tensor_nbytes(tensor)
+        size += _aligned(tensor_nbytes(tensor))
     if pending:
         yield pending
 
@@ -90,7 +100,7 @@ def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor, version: 
         buffer[offset : offset + nbytes].copy_(flat, non_blocking=True)
         entries.append(ManifestEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset,
                                      nbytes))  # fmt: skip
-        offset += nbytes
+        offset += _aligned(nbytes)
     return Manifest(version, index, last, tuple(entries))
 
 
@@ -104,7 +114,7 @@ def unpack(buffer: torch.Tensor, manifest: Manifest) -> list[tuple[str, torch.Te
         numel = 1
         for dim in e.shape:
             numel *= dim
-        if e.offset < 0 or e.offset + e.nbytes > buffer.numel() or numel * dtype.itemsize != e.nbytes:
+        if e.offset < 0 or e.offset % ALIGN or e.offset + e.nbytes > buffer.numel() or numel * dtype.itemsize != e.nbytes:
             raise ValueError(f"weight bucket: tensor {e.name!r} does not fit its bytes {e.offset}+{e.nbytes}")
         out.append((e.name, buffer[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)))
     return out

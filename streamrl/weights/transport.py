@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from streamrl.weights.bucket import Manifest, pack, plan_buckets, tensor_nbytes, unpack
+from streamrl.weights.bucket import Manifest, bucket_nbytes, pack, plan_buckets, unpack
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class WeightGroup:
             slot = count % 2
             for work in in_flight[slot]:
                 work.wait()
-            buffer = self._buffer(slot, sum(tensor_nbytes(t) for _, t in bucket))
+            buffer = self._buffer(slot, bucket_nbytes(bucket))
             manifest = pack(bucket, buffer, version, count, last=following is None)
             encoded = torch.frombuffer(bytearray(manifest.encode()), dtype=torch.uint8).to(self.device)
             header = torch.tensor([encoded.numel(), manifest.nbytes, version], dtype=torch.int64, device=self.device)

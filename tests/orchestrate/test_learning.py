@@ -9,49 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 
-from streamrl.config import Config, load_config
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.train import prepare_run, publish_weights, train
-
-CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
-PARITY_TOL = 1e-3
-
-
-def _config(tmp_path: Path, *overrides: str) -> Config:
-    return load_config(CONFIG, [f"run.dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", *overrides])
-
-
-def _fixed_sample(config: Config) -> tuple[list[int], list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "repeat #"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)  # fmt: skip
-    return prompt, tokenizer.encode("##a#*#", add_special_tokens=False) + [tokenizer.eos_token_id]
-
-
-def _engine_logprobs(cluster: Cluster, config: Config) -> np.ndarray:
-    prompt, response = _fixed_sample(config)
-    return np.array(ray.get(cluster.engines[0].score.remote(prompt, response), timeout=60))
-
-
-def _assert_logprob_parity(cluster: Cluster, config: Config) -> None:
-    """The engine's log-probs of a fixed response equal the learner's, token by token."""
-    prompt, response = _fixed_sample(config)
-    sequence = prompt + response
-    engine_lp = _engine_logprobs(cluster, config)
-    per_rank = ray.get([r.logprobs.remote(sequence[:-1], sequence[1:]) for r in cluster.learners], timeout=60)
-    learner_lp = np.array(per_rank[0][len(prompt) - 1 :])
-    assert engine_lp.shape == learner_lp.shape == (len(response),)
-    np.testing.assert_allclose(engine_lp, learner_lp, atol=PARITY_TOL, rtol=0)
+from tests.orchestrate.parity import assert_logprob_parity, engine_logprobs, tiny_config
 
 
 @pytest.mark.slow
 def test_learning(tmp_path: Path) -> None:
-    config = _config(tmp_path)
+    config = tiny_config(tmp_path)
     result = train(config, show_progress=False)
     history = read_history(config.run.dir)  # what W&B recorded, read back from the offline run files
     assert len(history) == config.train.steps
@@ -72,13 +39,13 @@ def test_learning(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_logprob_parity(tmp_path: Path, tensor_parallel: int) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
-    config = _config(tmp_path, f"learner.tensor_parallel={tensor_parallel}", "train.steps=2", "wandb.mode=disabled")
+    config = tiny_config(tmp_path, f"learner.tensor_parallel={tensor_parallel}", "train.steps=2", "wandb.mode=disabled")
     prepare_run(config)
     with Cluster(config) as cluster:
-        before = _engine_logprobs(cluster, config)
+        before = engine_logprobs(cluster, config)
         for step in (1, 2):
             cluster.learner_step(step)
             publish_weights(cluster, step)
-        after = _engine_logprobs(cluster, config)
+        after = engine_logprobs(cluster, config)
         assert np.abs(after - before).max() > 1e-4  # the published weights did change the engine
-        _assert_logprob_parity(cluster, config)
+        assert_logprob_parity(cluster, config)

@@ -1,0 +1,41 @@
+"""Helpers shared by the end-to-end tests: the tiny config in a temp dir, engine-vs-learner log-probs."""
+
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from streamrl.config import Config, load_config
+from streamrl.orchestrate.cluster import Cluster
+
+CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+PARITY_TOL = 1e-3
+
+
+def tiny_config(tmp_path: Path, *overrides: str) -> Config:
+    return load_config(CONFIG, [f"run.dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", *overrides])
+
+
+def fixed_sample(config: Config) -> tuple[list[int], list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "repeat #"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)  # fmt: skip
+    return prompt, tokenizer.encode("##a#*#", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def engine_logprobs(cluster: Cluster, config: Config, engine: int = 0) -> np.ndarray:
+    prompt, response = fixed_sample(config)
+    return np.array(ray.get(cluster.engines[engine].score.remote(prompt, response), timeout=60))
+
+
+def assert_logprob_parity(cluster: Cluster, config: Config, engine: int = 0) -> None:
+    """The engine's log-probs of a fixed response equal the learner's, token by token."""
+    prompt, response = fixed_sample(config)
+    sequence = prompt + response
+    engine_lp = engine_logprobs(cluster, config, engine)
+    per_rank = ray.get([r.logprobs.remote(sequence[:-1], sequence[1:]) for r in cluster.learners], timeout=60)
+    learner_lp = np.array(per_rank[0][len(prompt) - 1 :])
+    assert engine_lp.shape == learner_lp.shape == (len(response),)
+    np.testing.assert_allclose(engine_lp, learner_lp, atol=PARITY_TOL, rtol=0)

@@ -1,0 +1,39 @@
+"""Engine faults during a run: an engine killed mid-publish neither hangs the learner nor leaves a
+half-updated engine; its replacement catches up to the latest version by itself."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from streamrl.orchestrate.cluster import Cluster
+from streamrl.orchestrate.train import prepare_run, publish_weights
+from tests.orchestrate.parity import assert_logprob_parity, tiny_config
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, "rollout.engines=2", "wandb.mode=disabled", "train.publish_timeout_s=30",
+                         "train.publish_bucket_bytes=1024")  # many small buckets: the publish takes a while
+    prepare_run(config)
+    with Cluster(config) as cluster:
+        cluster.learner_step(1)
+        publish_weights(cluster, 1)
+        cluster.learner_step(2)
+        victim = cluster.engines[1]
+        killer = threading.Timer(0.1, ray.kill, args=(victim,))
+        start = time.monotonic()
+        killer.start()
+        metrics = publish_weights(cluster, 2)
+        elapsed = time.monotonic() - start
+        killer.join()
+        print(f"publish with a killed engine took {elapsed:.1f}s: {metrics}")
+        assert cluster.engines_restarted == 1 and cluster.engines[1] is not victim
+        assert elapsed < config.train.publish_timeout_s + config.rollout.start_timeout_s
+        versions = ray.get([e.policy_version.remote() for e in cluster.engines], timeout=30)
+        assert versions == [2, 2]  # the survivor and the replacement both run the latest version
+        for engine in (0, 1):  # whole versions only: both match the learner token by token
+            assert_logprob_parity(cluster, config, engine)
+        cluster.learner_step(3)  # and training goes on
