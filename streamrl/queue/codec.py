@@ -1,10 +1,15 @@
-"""Wire format of a TrajectoryGroup: schema-versioned msgpack with raw little-endian arrays.
+"""Wire format of a TrajectoryGroup: a magic and schema version, a msgpack header, raw little-endian arrays.
 
-Layout (msgpack map): `v` schema version, `gid`, `eng`, `prompt` int32 bytes, `lens` int32[n]
-response lengths, `ids` int32[sum T], `lp` float32[sum T], `ver` int32[sum T], `rew` float32[n],
-`fin` list[str]. Decoding never unpickles, checks the version, every type, every size limit and
-that lengths agree; any violation raises `DecodeError` naming the field. Arrays decode as
-zero-copy `numpy.frombuffer` views.
+Layout of one entry:
+- bytes 0-3: `SRL` and the schema version byte; bytes 4-7: H, the header length (uint32 little-endian);
+- H bytes: msgpack map `gid`, `eng`, `prompt` int32 bytes, `lens` int32[n] response lengths, `rew`
+  float32[n], `fin` list[str]; then zero padding to a multiple of 8 bytes;
+- `ids` int32[T], `lp` float32[T], `ver` int32[T] back to back (T = sum of lens); the entry ends there.
+
+Decoding never unpickles, checks the magic and version, every type, every size limit and that lengths
+agree; any violation raises `DecodeError` naming the field. The token arrays are zero-copy (and so
+read-only) `numpy.frombuffer` views of the entry bytes, and encoding copies each array once, straight
+into the output: moving a group costs about one memcpy of it at each end.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import numpy as np
 
 from streamrl.types import Trajectory, TrajectoryGroup
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1 was a single msgpack map; its bins were copied on unpacking
+MAGIC = b"SRL"
 MAX_ID_CHARS = 256
 MAX_RESPONSES = 4096
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+_PREFIX = 8  # magic, version, header length
+_TOKEN_BYTES = 12  # int32 id + float32 logprob + int32 version
 
 
 class DecodeError(ValueError):
@@ -29,24 +37,26 @@ class DecodeError(ValueError):
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
-    """Serialise a group; concatenates per-response arrays so the entry holds 5 contiguous blobs."""
+    """Serialise a group; the token arrays of all responses are concatenated per field."""
     trajs = group.trajectories
-    cat = lambda arrays, dtype: np.concatenate([np.asarray(a, dtype=dtype) for a in arrays]).tobytes()  # noqa: E731
-    return msgpack.packb(
+    header = msgpack.packb(
         {
-            "v": SCHEMA_VERSION,
             "gid": group.group_id,
             "eng": group.engine_id,
             "prompt": np.asarray(group.prompt_ids, dtype=_I32).tobytes(),
             "lens": np.array([len(t.response_ids) for t in trajs], dtype=_I32).tobytes(),
-            "ids": cat([t.response_ids for t in trajs], _I32),
-            "lp": cat([t.logprobs for t in trajs], _F32),
-            "ver": cat([t.versions for t in trajs], _I32),
             "rew": np.array([t.reward for t in trajs], dtype=_F32).tobytes(),
             "fin": [t.finish_reason for t in trajs],
         },
         use_bin_type=True,
     )
+    padding = b"\0" * (-(_PREFIX + len(header)) % 8)  # 8-aligned arrays (the bytes object itself is 8-aligned)
+    parts: list[bytes | np.ndarray] = [MAGIC, bytes([SCHEMA_VERSION]), len(header).to_bytes(4, "little"), header,
+                                       padding]  # fmt: skip
+    for arrays, dtype in (([t.response_ids for t in trajs], _I32), ([t.logprobs for t in trajs], _F32),
+                          ([t.versions for t in trajs], _I32)):  # fmt: skip
+        parts += [np.ascontiguousarray(a, dtype=dtype) for a in arrays]
+    return b"".join(parts)
 
 
 def _field(msg: dict[str, Any], key: str, kind: type) -> Any:
@@ -68,19 +78,29 @@ def _array(msg: dict[str, Any], key: str, dtype: np.dtype, count: int | None = N
     return array
 
 
-def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
-    """Parse and validate one entry; raises DecodeError on anything malformed."""
+def _header(data: bytes, max_bytes: int) -> tuple[dict[str, Any], int]:
+    """The msgpack header map and the offset where the token arrays start."""
     if len(data) > max_bytes:
         raise DecodeError(f"entry: {len(data)} bytes exceeds the limit of {max_bytes}")
+    if len(data) < _PREFIX or data[:3] != MAGIC:
+        raise DecodeError(f"entry: not a streamrl group (starts with {bytes(data[:8])!r})")
+    if data[3] != SCHEMA_VERSION:
+        raise DecodeError(f"v: unsupported schema version {data[3]} (this build reads {SCHEMA_VERSION})")
+    size = int.from_bytes(data[4:8], "little")
+    if _PREFIX + size > len(data):
+        raise DecodeError(f"header: {size} bytes do not fit in the {len(data)}-byte entry")
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=1 << 16)
+        msg = msgpack.unpackb(data[_PREFIX : _PREFIX + size], raw=False, strict_map_key=True, max_str_len=1 << 16)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise DecodeError(f"entry: not msgpack ({type(exc).__name__}: {exc})") from None
+        raise DecodeError(f"header: not msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(msg, dict):
-        raise DecodeError(f"entry: expected a map, got {type(msg).__name__}")
-    version = _field(msg, "v", int)
-    if version != SCHEMA_VERSION:
-        raise DecodeError(f"v: unsupported schema version {version} (this build reads {SCHEMA_VERSION})")
+        raise DecodeError(f"header: expected a map, got {type(msg).__name__}")
+    return msg, _PREFIX + size + (-(_PREFIX + size) % 8)
+
+
+def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
+    """Parse and validate one entry; raises DecodeError on anything malformed. The arrays view `data`."""
+    msg, start = _header(data, max_bytes)
     group_id, engine_id = _field(msg, "gid", str), _field(msg, "eng", str)
     for key, text in (("gid", group_id), ("eng", engine_id)):
         if not 0 < len(text) <= MAX_ID_CHARS:
@@ -91,17 +111,22 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
     if (lens < 0).any():
         raise DecodeError("lens: negative response length")
     total = int(lens.sum())
-    ids, logprobs = _array(msg, "ids", _I32, total), _array(msg, "lp", _F32, total)
-    versions = _array(msg, "ver", _I32, total)
+    if len(data) - start != total * _TOKEN_BYTES:
+        raise DecodeError(f"ids/lp/ver: {len(data) - start} bytes of token arrays, lens say {total} tokens "
+                          f"({total * _TOKEN_BYTES} bytes)")  # fmt: skip
+    ids = np.frombuffer(data, _I32, total, start)
+    logprobs = np.frombuffer(data, _F32, total, start + 4 * total)
+    versions = np.frombuffer(data, _I32, total, start + 8 * total)
     rewards = _array(msg, "rew", _F32, len(lens))
     finish = _field(msg, "fin", list)
     if len(finish) != len(lens) or not all(f in FINISH_REASONS for f in finish):
         raise DecodeError(f"fin: expected {len(lens)} values from {sorted(FINISH_REASONS)}")
     if not np.isfinite(rewards).all() or not np.isfinite(logprobs).all():
         raise DecodeError("rew/lp: non-finite value")
-    bounds = np.concatenate([[0], np.cumsum(lens)])
+    # Python ints and floats: slicing by numpy scalars costs more than the rest of decoding a small group.
+    ends = np.cumsum(lens).tolist()
     trajectories = tuple(
-        Trajectory(ids[a:b], logprobs[a:b], versions[a:b], float(rewards[i]), finish[i])
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+        Trajectory(ids[end - n : end], logprobs[end - n : end], versions[end - n : end], reward, reason)
+        for n, end, reward, reason in zip(lens.tolist(), ends, rewards.tolist(), finish, strict=True)
     )
     return TrajectoryGroup(group_id, engine_id, _array(msg, "prompt", _I32), trajectories)

@@ -24,34 +24,59 @@ def make_group(lengths: list[int], seed: int = 0) -> TrajectoryGroup:
 
 def test_round_trip_is_exact() -> None:
     group = make_group([3, 0, 9])
-    back = decode_group(encode_group(group), LIMIT)
+    blob = encode_group(group)
+    back = decode_group(blob, LIMIT)
     assert back.group_id == group.group_id and back.engine_id == group.engine_id
     assert np.array_equal(back.prompt_ids, group.prompt_ids)
     for a, b in zip(group.trajectories, back.trajectories, strict=True):
         assert np.array_equal(a.response_ids, b.response_ids) and np.array_equal(a.versions, b.versions)
         assert np.array_equal(a.logprobs, b.logprobs) and a.reward == pytest.approx(b.reward)
+        # Zero-copy, aligned views of the entry bytes.
+        assert b.logprobs.base.base is blob and b.logprobs.flags.aligned and not b.logprobs.flags.writeable
 
 
-def _tamper(field: str, value: object) -> bytes:
-    msg = msgpack.unpackb(encode_group(make_group([4, 2])))
-    msg[field] = value
-    return msgpack.packb(msg)
+def _entry(magic: bytes = b"SRL", version: int = SCHEMA_VERSION, header_size: int | None = None,
+           tail: bytes = b"", **changes: object) -> bytes:  # fmt: skip
+    """The layout written out by hand (a second statement of the spec), with fields of the header changed."""
+    lens, tokens = [4, 2], 6
+    header = {"gid": "g0", "eng": "e", "prompt": np.arange(3, dtype="<i4").tobytes(),
+              "lens": np.array(lens, "<i4").tobytes(), "rew": np.zeros(2, "<f4").tobytes(),
+              "fin": ["stop", "length"]}  # fmt: skip
+    packed = msgpack.packb({**header, **changes})
+    size = len(packed) if header_size is None else header_size
+    padding = b"\0" * (-(8 + len(packed)) % 8)
+    arrays = np.arange(tokens, dtype="<i4").tobytes() + np.full(tokens, -0.5, "<f4").tobytes() + bytes(4 * tokens)
+    return magic + bytes([version]) + size.to_bytes(4, "little") + packed + padding + arrays + tail
+
+
+def test_the_spec_layout_decodes() -> None:
+    group = decode_group(_entry(), LIMIT)
+    assert [t.response_ids.tolist() for t in group.trajectories] == [[0, 1, 2, 3], [4, 5]]
+    assert group.trajectories[1].finish_reason == "length" and group.trajectories[0].logprobs[0] == -0.5
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "match"),
+    ("entry", "match"),
     [
-        ("v", SCHEMA_VERSION + 1, "v: unsupported schema version"),
-        ("lens", np.array([4, 3], np.int32).tobytes(), "ids: expected 7 items"),
-        ("lp", b"\x00" * 7, "lp: 7 bytes is not a whole number"),
-        ("fin", ["stop"], "fin: expected 2 values"),
-        ("gid", "", "gid: length 0"),
-        ("rew", np.array([np.nan, 0], np.float32).tobytes(), "non-finite"),
+        (_entry(magic=b"\x8a\xa1v"), "entry: not a streamrl group"),
+        (b"SRL", "entry: not a streamrl group"),
+        (_entry(version=SCHEMA_VERSION + 1), "v: unsupported schema version"),
+        (_entry(header_size=1 << 16), "header: 65536 bytes do not fit"),
+        (_entry(header_size=3), "header: not msgpack"),
+        (_entry(lens=np.array([4, 3], np.int32).tobytes()), "ids/lp/ver: 72 bytes of token arrays, lens say 7 tokens"),
+        (_entry(tail=b"\0" * 7), "ids/lp/ver: 79 bytes"),
+        (_entry(lens=b"\0" * 7), "lens: 7 bytes is not a whole number"),
+        (_entry(lens=np.array([-1, 7], np.int32).tobytes()), "lens: negative"),
+        (_entry(fin=["stop"]), "fin: expected 2 values"),
+        (_entry(fin="stop"), "fin: expected list"),
+        (_entry(gid=""), "gid: length 0"),
+        (_entry(eng=None), "eng: expected str, got NoneType"),
+        (_entry(rew=np.array([np.nan, 0], np.float32).tobytes()), "non-finite"),
     ],
 )
-def test_inconsistent_entries_name_the_field(field: str, value: object, match: str) -> None:
+def test_inconsistent_entries_name_the_field(entry: bytes, match: str) -> None:
     with pytest.raises(DecodeError, match=match):
-        decode_group(_tamper(field, value), LIMIT)
+        decode_group(entry, LIMIT)
 
 
 def test_size_limit() -> None:

@@ -1,0 +1,244 @@
+"""Queue throughput: streamrl's producer/consumer against a raw redis-py loop moving the same bytes.
+
+Usage: `python benchmarks/queue_throughput.py [--quick]`. Prints a table and writes
+`benchmarks/results/queue_throughput.json`.
+
+Groups of 8 responses x 1k/4k/16k tokens (int32 ids, float32 logprobs, int32 versions, 256 prompt
+tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and consumed by one reader
+in this process, on an embedded server (appendfsync everysec, the default). streamrl mode:
+`TrajectoryProducer.push` (encode + idempotent append + backlog check) and `TrajectoryConsumer.read`
++ `commit` (decode + trained-set check + MULTI SADD/XACK/XDEL). Raw mode: pre-encoded bytes of the
+same sizes, XADD pipelined 8 per round trip, XREADGROUP count 8 then XACK+XDEL pipelined. The modes
+alternate run by run and each number is the median of the repeats. Also measured: the queue time of
+one learner step of the tiny config (read + commit of 8 groups of 8 x 12 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+import numpy as np
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from streamrl.queue.codec import decode_group, encode_group  # noqa: E402
+from streamrl.queue.server import EmbeddedRedis  # noqa: E402
+from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect  # noqa: E402
+from streamrl.types import Trajectory, TrajectoryGroup  # noqa: E402
+
+RESPONSES, PROMPT_TOKENS, BATCH = 8, 256, 8  # BATCH: groups per push round trip and per read
+TOKENS = (1024, 4096, 16384)
+PRODUCERS = (1, 2, 4)
+MAX_ENTRY_BYTES = 64 << 20
+LEARNER_STEP_S = 0.13
+OUT = Path(__file__).resolve().parent / "results" / "queue_throughput.json"
+
+
+def make_groups(tokens: int, count: int, tag: str) -> list[TrajectoryGroup]:
+    """`count` realistic groups sharing one set of arrays (only the id differs: building arrays is not measured)."""
+    rng = np.random.default_rng(tokens)
+    trajs = tuple(
+        Trajectory(rng.integers(0, 150_000, tokens, dtype=np.int32), -rng.exponential(1.0, tokens).astype(np.float32),
+                   np.full(tokens, 3, np.int32), float(rng.random()), "length")
+        for _ in range(RESPONSES)
+    )  # fmt: skip
+    group = TrajectoryGroup("x", "engine-0", rng.integers(0, 150_000, PROMPT_TOKENS, dtype=np.int32), trajs)
+    return [dataclasses.replace(group, group_id=f"{tag}-{i}") for i in range(count)]
+
+
+def producer_main(url: str, password: str, jobs: Queue, ready: Queue, go: Event) -> None:
+    """One producer process: for each job, prepare, report ready, wait for `go`, push, report done."""
+    client = connect(url, password)
+    while (job := jobs.get()) is not None:
+        mode, prefix, tokens, count, tag = job
+        keys, groups = QueueKeys(prefix), make_groups(tokens, count, tag)
+        producer = TrajectoryProducer(client, keys, max_backlog=256, wait_timeout_s=120)
+        payloads = [encode_group(g) for g in groups] if mode == "raw" else []
+        ready.put("ready")
+        go.wait()
+        for start in range(0, count, BATCH):
+            if mode == "raw":
+                pipe = client.pipeline(transaction=False)
+                for payload in payloads[start : start + BATCH]:
+                    pipe.xadd(keys.stream, {"g": payload})
+                pipe.execute()
+            else:
+                producer.push(groups[start : start + BATCH])
+        ready.put("done")
+
+
+def consume(mode: str, client: redis.Redis, keys: QueueKeys, total: int, deadline: float) -> None:
+    """The reader: take `total` groups, BATCH at a time, and commit (streamrl) or ack (raw) each batch."""
+    consumer = TrajectoryConsumer(client, keys, "bench", 60_000, MAX_ENTRY_BYTES) if mode == "streamrl" else None
+    taken = 0
+    while taken < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{mode}: read {taken}/{total} groups before the deadline")
+        if consumer is not None:
+            got = consumer.read(BATCH, 1000)
+            consumer.commit(got)
+            taken += len(got)
+            continue
+        reply = client.xreadgroup("learners", "bench", {keys.stream: ">"}, count=BATCH, block=1000)
+        ids = [entry_id for entry_id, _ in reply[0][1]] if reply else []
+        if ids:
+            pipe = client.pipeline(transaction=False)
+            pipe.xack(keys.stream, "learners", *ids)
+            pipe.xdel(keys.stream, *ids)
+            pipe.execute()
+        taken += len(ids)
+
+
+def run_once(ctx: dict, mode: str, tokens: int, producers: int, per_producer: int, run: int) -> float:
+    """Seconds from `go` until the reader has committed every group of one run."""
+    client, workers = ctx["client"], ctx["workers"]
+    keys = QueueKeys(f"bench-{mode}-{tokens}-{producers}-{run}")
+    if mode == "raw":
+        client.xgroup_create(keys.stream, "learners", id="0", mkstream=True)
+    ctx["go"].clear()
+    for i in range(producers):
+        workers[i][0].put((mode, keys.prefix, tokens, per_producer, f"r{run}p{i}"))
+    for _ in range(producers):
+        assert ctx["ready"].get(timeout=120) == "ready"
+    start = time.perf_counter()
+    ctx["go"].set()
+    consume(mode, client, keys, producers * per_producer, time.monotonic() + 120)
+    elapsed = time.perf_counter() - start
+    for _ in range(producers):
+        assert ctx["ready"].get(timeout=120) == "done"
+    client.flushall()  # outside the timing: keep memory and the AOF small between runs
+    client.bgrewriteaof()
+    while client.info("persistence")["aof_rewrite_in_progress"]:
+        time.sleep(0.05)
+    return elapsed
+
+
+def tiny_step_times(client: redis.Redis, steps: int) -> list[float]:
+    """Queue time of one learner step of the tiny config: read + commit of 8 groups of 8 x ~12-token responses."""
+    keys = QueueKeys("bench-tiny")
+    producer = TrajectoryProducer(client, keys, max_backlog=256, wait_timeout_s=10)
+    consumer = TrajectoryConsumer(client, keys, "learner-0", 60_000, MAX_ENTRY_BYTES)
+    times = []
+    for step in range(steps):
+        producer.push([dataclasses.replace(g, group_id=f"s{step}-{i}") for i, g in enumerate(tiny_groups())])
+        start = time.perf_counter()
+        got = consumer.read(8, 1000)
+        consumer.commit(got)
+        times.append(time.perf_counter() - start)
+        assert len(got) == 8
+    return times
+
+
+def tiny_groups() -> list[TrajectoryGroup]:
+    rng = np.random.default_rng(0)
+    return [
+        TrajectoryGroup("t", "engine-0", rng.integers(0, 64, 20, dtype=np.int32), tuple(
+            Trajectory(rng.integers(0, 64, 12, dtype=np.int32), -rng.random(12, dtype=np.float32),
+                       np.zeros(12, np.int32), 1.0, "stop")
+            for _ in range(RESPONSES)
+        ))  # fmt: skip
+        for _ in range(8)
+    ]
+
+
+def codec_mb_s(tokens: int) -> dict[str, float]:
+    """Single-process encode and decode speed of one group of this size (MB/s of wire bytes)."""
+    group = make_groups(tokens, 1, "codec")[0]
+    blob = encode_group(group)
+    reps = max(5, (64 << 20) // len(blob))
+    speeds = {}
+    for name, fn in (("encode", lambda: encode_group(group)), ("decode", lambda: decode_group(blob, MAX_ENTRY_BYTES))):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        speeds[f"{name}_mb_s"] = round(reps * len(blob) / (time.perf_counter() - start) / 1e6)
+    return speeds
+
+
+def machine() -> dict[str, str]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    return {"nproc": nproc, "cpu": cpu, "python": platform.python_version(), "redis_py": redis.__version__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer bytes and repeats (a smoke run, ~30 s)")
+    args = parser.parse_args()
+    repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (5, 128, 300)
+    mp = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="queue-bench-") as data_dir, EmbeddedRedis(Path(data_dir)) as server:
+        client = connect(server.url, server.password)
+        client.config_set("auto-aof-rewrite-percentage", 0)  # rewrites happen between runs, not inside one
+        ready, go = mp.Queue(), mp.Event()
+        workers = []
+        for _ in range(max(PRODUCERS)):
+            jobs = mp.Queue()
+            process = mp.Process(target=producer_main, args=(server.url, server.password, jobs, ready, go))
+            process.start()
+            workers.append((jobs, process))
+        ctx = {"client": client, "workers": workers, "ready": ready, "go": go}
+        rows = []
+        try:
+            for tokens in TOKENS:
+                group_bytes = len(encode_group(make_groups(tokens, 1, "size")[0]))
+                for producers in PRODUCERS:
+                    per_producer = max(BATCH, round(mb_per_run * 1e6 / group_bytes / producers / BATCH) * BATCH)
+                    times: dict[str, list[float]] = {"raw": [], "streamrl": []}
+                    for run in range(repeats):
+                        for mode in ("raw", "streamrl") if run % 2 == 0 else ("streamrl", "raw"):
+                            times[mode].append(run_once(ctx, mode, tokens, producers, per_producer, run))
+                    total = producers * per_producer
+                    row = {"tokens": tokens, "producers": producers, "groups": total, "group_mb": group_bytes / 1e6}
+                    for mode, samples in times.items():
+                        row[f"{mode}_groups_s"] = total / statistics.median(samples)
+                        row[f"{mode}_mb_s"] = row[f"{mode}_groups_s"] * group_bytes / 1e6
+                    row["ratio"] = row["streamrl_groups_s"] / row["raw_groups_s"]
+                    rows.append(row)
+                    print(format_row(row), flush=True)
+            step_s = tiny_step_times(client, tiny_steps)
+        finally:
+            for jobs, _ in workers:
+                jobs.put(None)
+            for _, process in workers:
+                process.join(timeout=30)
+    tiny = {"steps": tiny_steps, "median_ms": 1e3 * statistics.median(step_s),
+            "p99_ms": 1e3 * float(np.percentile(step_s, 99)), "learner_step_s": LEARNER_STEP_S}  # fmt: skip
+    tiny["fraction_of_step"] = tiny["median_ms"] / 1e3 / LEARNER_STEP_S
+    codec = {str(t): codec_mb_s(t) for t in TOKENS}
+    print(f"tiny config step: read+commit median {tiny['median_ms']:.2f} ms, p99 {tiny['p99_ms']:.2f} ms "
+          f"({100 * tiny['fraction_of_step']:.2f}% of a {LEARNER_STEP_S} s learner step)")  # fmt: skip
+    print("codec (one process):", json.dumps(codec))
+    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
+              "command": " ".join(["python", "benchmarks/queue_throughput.py", *sys.argv[1:]]),
+              "appendfsync": "everysec", "repeats": repeats, "rows": rows, "tiny_step": tiny,
+              "codec": codec}  # fmt: skip
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=1))
+    print(f"wrote {OUT}")
+
+
+def format_row(row: dict) -> str:
+    return (f"| {row['tokens'] // 1024}k | {row['producers']} | {row['group_mb']:.2f} | {row['groups']} | "
+            f"{row['streamrl_groups_s']:.0f} | {row['streamrl_mb_s']:.0f} | {row['raw_groups_s']:.0f} | "
+            f"{row['raw_mb_s']:.0f} | {row['ratio']:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    print("| tokens/response | producers | MB/group | groups | streamrl groups/s | streamrl MB/s | "
+          "raw groups/s | raw MB/s | ratio |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    main()
