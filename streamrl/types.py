@@ -65,15 +65,17 @@ class ConsumedGroup:
 
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
-    """One forward/backward of the learner: right-padded sequences with per-label-position fields.
+    """One forward/backward of the learner: n sequences packed into one row [1, T], no padding.
 
-    Position j of row b predicts `labels[b, j]` from `input_ids[b, :j+1]`; fields are zero where
-    `loss_weight` is zero (prompt tokens and padding).
+    Sequence i spans columns `cu_seqlens[i]:cu_seqlens[i+1]`; column j predicts `labels[0, j]` from the inputs of
+    its own sequence up to j (attention never crosses a boundary). Fields are zero where `loss_weight` is zero
+    (prompt positions; the single token of a filler micro-batch, which only evens out micro-batch counts).
     """
 
-    input_ids: np.ndarray  # int64[B, S]   prompt + response tokens, right-padded
-    labels: np.ndarray  # int64[B, S]   next token at each position
-    position_ids: np.ndarray  # int64[B, S]   0..S-1
-    loss_weight: np.ndarray  # float32[B, S] share of the global-step loss (sums to 1 over the step)
-    advantages: np.ndarray  # float32[B, S] GRPO advantage of the row's response
-    behaviour_logprobs: np.ndarray  # float32[B, S] engine logprob of each label (response positions)
+    input_ids: np.ndarray  # int64[1, T]   each sequence's prompt + response tokens but its last, concatenated
+    labels: np.ndarray  # int64[1, T]   next token at each position (within its sequence)
+    position_ids: np.ndarray  # int64[1, T]   position within its own sequence: restarts at 0 at each boundary
+    loss_weight: np.ndarray  # float32[1, T] share of the global-step loss (sums to 1 over the step)
+    advantages: np.ndarray  # float32[1, T] GRPO advantage of the sequence's response
+    behaviour_logprobs: np.ndarray  # float32[1, T] engine logprob of each label (response positions)
+    cu_seqlens: np.ndarray  # int32[n+1]    sequence boundaries in the row: 0 = cu_seqlens[0] < ... < cu_seqlens[n] = T

@@ -1,10 +1,12 @@
-"""Turn a step's groups into per-data-parallel-rank lists of micro-batches.
+"""Turn a step's groups into per-data-parallel-rank lists of packed micro-batches.
 
-Contract: every response of every group lands in exactly one micro-batch of one rank; a
-micro-batch's padded size (rows x longest row) stays within `max_tokens_per_microbatch` unless a
-single sequence exceeds it (then it is alone); `loss_weight` sums to 1 over the whole step, so the
-step's gradient does not depend on the partition (invariant 6). Ranks are balanced greedily by
-token count (longest first onto the lightest rank).
+Contract: every response of every group lands in exactly one micro-batch of one rank, as one sequence (prompt +
+response) of a packed row; a micro-batch holds at most `max_tokens_per_microbatch` tokens unless it is a single
+longer sequence; every rank gets at least one sequence and the same number of micro-batches; `loss_weight` sums
+to 1 over the whole step, so the step's gradient does not depend on the packing or the number of ranks
+(invariant 6). Ranks are balanced on the compute cost a*L + b*L^2 of their sequences
+(`streamrl.batching.partition`, `streamrl.batching.cost`), then packed (`streamrl.batching.pack`). Planning is a
+deterministic function of the groups, so every rank computes the same plan and collates only its own part.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from streamrl.batching.cost import TOKEN_COUNT, CostModel
+from streamrl.batching.pack import Packing, pack_microbatches
+from streamrl.batching.partition import balanced_partition
 from streamrl.loss.grpo import grpo_advantages
 from streamrl.types import MicroBatch, TrajectoryGroup
 
@@ -27,6 +32,9 @@ class _Sequence:
 
 
 def _sequences(groups: list[TrajectoryGroup], normalization: str) -> list[_Sequence]:
+    empty_prompts = [g.group_id for g in groups if len(g.prompt_ids) == 0]
+    if empty_prompts:
+        raise ValueError(f"prompt_ids: empty in groups {empty_prompts[:4]} (the first response token needs context)")
     responses = [(g, t, a) for g in groups for t, a in zip(g.trajectories, grpo_advantages(g.rewards), strict=True)]
     responses = [(g, t, a) for g, t, a in responses if len(t.response_ids)]
     total_tokens = sum(len(t.response_ids) for _, t, _ in responses)
@@ -40,44 +48,50 @@ def _sequences(groups: list[TrajectoryGroup], normalization: str) -> list[_Seque
 
 
 def _collate(seqs: list[_Sequence]) -> MicroBatch:
-    rows, width = len(seqs), max(len(s.tokens) for s in seqs) - 1
-    input_ids = np.zeros((rows, width), np.int64)
-    labels = np.zeros((rows, width), np.int64)
-    loss_weight = np.zeros((rows, width), np.float32)
-    advantages = np.zeros((rows, width), np.float32)
-    behaviour = np.zeros((rows, width), np.float32)
-    for b, s in enumerate(seqs):
-        n = len(s.tokens) - 1
-        input_ids[b, :n], labels[b, :n] = s.tokens[:-1], s.tokens[1:]
-        resp = slice(s.response_start - 1, n)  # label positions that predict response tokens
-        loss_weight[b, resp], advantages[b, resp] = s.weight, s.advantage
-        behaviour[b, resp] = s.behaviour_logprobs
-    positions = np.broadcast_to(np.arange(width, dtype=np.int64), (rows, width)).copy()
-    return MicroBatch(input_ids, labels, positions, loss_weight, advantages, behaviour)
+    """One packed row; no sequences gives a filler: a single zero-weight token (equal micro-batch counts)."""
+    if not seqs:
+        zero_i, zero_f = np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32)
+        return MicroBatch(zero_i, zero_i, zero_i, zero_f, zero_f, zero_f, np.array([0, 1], np.int32))
+    lengths = np.array([len(s.tokens) - 1 for s in seqs])  # position j predicts token j + 1
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    loss_weight = np.zeros(cu_seqlens[-1], np.float32)
+    advantages = np.zeros(cu_seqlens[-1], np.float32)
+    behaviour = np.zeros(cu_seqlens[-1], np.float32)
+    for start, s in zip(cu_seqlens[:-1].tolist(), seqs, strict=True):
+        resp = slice(start + s.response_start - 1, start + len(s.tokens) - 1)  # positions predicting the response
+        loss_weight[resp], advantages[resp], behaviour[resp] = s.weight, s.advantage, s.behaviour_logprobs
+    positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], lengths)
+    row = lambda parts: np.concatenate(parts)[None]  # [T] -> [1, T]
+    return MicroBatch(
+        input_ids=row([s.tokens[:-1] for s in seqs]),
+        labels=row([s.tokens[1:] for s in seqs]),
+        position_ids=positions.astype(np.int64)[None],
+        loss_weight=loss_weight[None],
+        advantages=advantages[None],
+        behaviour_logprobs=behaviour[None],
+        cu_seqlens=cu_seqlens,
+    )
 
 
-def _pack(seqs: list[_Sequence], max_tokens: int) -> list[MicroBatch]:
-    batches: list[list[_Sequence]] = []
-    for seq in sorted(seqs, key=lambda s: -len(s.tokens)):
-        # Longest first: the first row of a micro-batch fixes its padded width.
-        if batches and (len(batches[-1]) + 1) * (len(batches[-1][0].tokens) - 1) <= max_tokens:
-            batches[-1].append(seq)
-        else:
-            batches.append([seq])
-    return [_collate(b) for b in batches]
-
-
-def plan_step(
-    groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch: int, normalization: str
-) -> list[list[MicroBatch]]:
-    """Micro-batches for each data-parallel rank (index = DP rank)."""
+def _plan(groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch: int, normalization: str,
+          cost: CostModel) -> tuple[list[_Sequence], Packing]:  # fmt: skip
     seqs = _sequences(groups, normalization)
     if len(seqs) < dp_size:
         raise ValueError(f"batching: {len(seqs)} sequences cannot feed {dp_size} data-parallel ranks")
-    loads = [0] * dp_size
-    per_rank: list[list[_Sequence]] = [[] for _ in range(dp_size)]
-    for seq in sorted(seqs, key=lambda s: -len(s.tokens)):
-        rank = min(range(dp_size), key=lambda r: (loads[r], len(per_rank[r])))
-        per_rank[rank].append(seq)
-        loads[rank] += len(seq.tokens)
-    return [_pack(rank_seqs, max_tokens_per_microbatch) for rank_seqs in per_rank]
+    lengths = np.array([len(s.tokens) - 1 for s in seqs], dtype=np.int64)
+    rank_of = balanced_partition(lengths, dp_size, cost)
+    return seqs, pack_microbatches(lengths, rank_of, dp_size, max_tokens_per_microbatch)
+
+
+def plan_rank(groups: list[TrajectoryGroup], dp_size: int, dp_rank: int, max_tokens_per_microbatch: int,
+              normalization: str, cost: CostModel = TOKEN_COUNT) -> list[MicroBatch]:  # fmt: skip
+    """The micro-batches of data-parallel rank `dp_rank` (what a learner rank runs)."""
+    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost)
+    return [_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(dp_rank)]
+
+
+def plan_step(groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch: int, normalization: str,
+              cost: CostModel = TOKEN_COUNT) -> list[list[MicroBatch]]:  # fmt: skip
+    """Micro-batches for each data-parallel rank (index = DP rank)."""
+    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost)
+    return [[_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(r)] for r in range(dp_size)]

@@ -4,7 +4,9 @@ Contract: `build_gpt_model(hf_config)` takes the contents of a HF `config.json` 
 `Qwen2ForCausalLM` or `LlamaForCausalLM` and returns a randomly initialised `GPTModel` (this rank's
 tensor-parallel shard) whose forward matches the HF model once `streamrl.learner.convert.hf_to_megatron`
 weights are loaded. It must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer
-spec is used (no Transformer Engine / apex). Unsupported configurations raise `ValueError` naming the field.
+spec is used (no Transformer Engine / apex), with its core attention replaced on CPU and GPU alike by
+`streamrl.learner.attention.PackedSequenceAttention` so that packed micro-batches (`qkv_format='thd'`) run without
+padding. Unsupported configurations raise `ValueError` naming the field.
 
 Training with a plain torch optimizer (not Megatron's DDP) at TP>1 requires `allreduce_tp_partial_grads(model)`
 after every backward and before clipping / the optimizer step: see its docstring.
@@ -21,6 +23,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+
+from streamrl.learner.attention import PackedSequenceAttention
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -120,6 +124,8 @@ def build_gpt_model(hf_config: dict[str, Any]) -> GPTModel:
     """Build the (randomly initialised) Megatron GPTModel shard for `hf_config`; see the module docstring."""
     config = transformer_config(hf_config)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    # The local spec's DotProductAttention rejects packed sequences; ours attends within each one.
+    spec.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from streamrl.batching.microbatch import plan_step
+from streamrl.batching.cost import cost_model
+from streamrl.batching.microbatch import plan_rank
 from streamrl.config import Config
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
-from streamrl.learner.logprobs import token_logprobs
+from streamrl.learner.logprobs import microbatch_logprobs, token_logprobs
 from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import init_parallel
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
@@ -97,7 +98,7 @@ class LearnerWorker:
     # -- training ---------------------------------------------------------------------------------
     def _microbatch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, PolicyLossStats]:
         as_t = torch.from_numpy
-        logp = token_logprobs(self.model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels))
+        logp = microbatch_logprobs(self.model, mb)  # packed: each sequence attends only to itself
         weight = as_t(mb.loss_weight)
         # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
         # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.
@@ -130,12 +131,15 @@ class LearnerWorker:
         admitted = self._admit() if self.rank == 0 else []
         wait_s = time.perf_counter() - start
         groups = self._broadcast_groups(admitted)
-        plan = plan_step(groups, self.ps.get_data_parallel_world_size(),
-                         self.config.batching.max_tokens_per_microbatch, self.config.loss.normalization)  # fmt: skip
+        batching = self.config.batching
+        # Every rank plans the whole step (deterministically) and collates only its own micro-batches.
+        microbatches = plan_rank(groups, self.ps.get_data_parallel_world_size(), self.ps.get_data_parallel_rank(),
+                                 batching.max_tokens_per_microbatch, self.config.loss.normalization,
+                                 cost_model(batching, self.hf_config))  # fmt: skip
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = np.zeros(6)
-        for mb in plan[self.ps.get_data_parallel_rank()]:
+        for mb in microbatches:
             loss, stats = self._microbatch_loss(mb)
             loss.backward()
             totals += [float(loss), stats.tokens, stats.clipped, stats.truncated, stats.importance_weight,

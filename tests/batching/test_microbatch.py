@@ -1,46 +1,75 @@
-"""Micro-batch planning: every response exactly once, budgets respected, loss weights sum to one."""
+"""Step planning end to end: every response once, packed rows within budget, equal counts, weights sum to one."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.batching.microbatch import plan_step
+from streamrl.batching.cost import CostModel
+from streamrl.batching.microbatch import plan_rank, plan_step
 from tests.queue.test_codec import make_group
 
 
-@settings(max_examples=60, deadline=None)
+def _segments(mb):
+    """(tokens, response weights) of each packed sequence of a micro-batch; fillers have no response."""
+    for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:], strict=True):
+        tokens = np.append(mb.input_ids[0, start:end], mb.labels[0, end - 1])
+        yield tokens, mb.loss_weight[0, start:end]
+
+
+@settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.lists(st.integers(1, 40), min_size=2, max_size=6), min_size=1, max_size=8),
     st.integers(1, 4),
-    st.integers(8, 200),
+    st.integers(4, 200),
     st.sampled_from(["token_mean", "sequence_mean"]),
+    st.sampled_from([CostModel(), CostModel(1.0, 0.05)]),
 )
-def test_plan_covers_every_response_once_within_budget(lengths, dp, budget, normalization) -> None:
+def test_plan_covers_every_response_once_within_budget(lengths, dp, budget, normalization, cost) -> None:
     groups = [make_group(ls, seed=i) for i, ls in enumerate(lengths)]
-    n_seqs = sum(len(ls) for ls in lengths)
-    if n_seqs < dp:
+    if sum(len(ls) for ls in lengths) < dp:
         return
-    plan = plan_step(groups, dp, budget, normalization)
-    assert len(plan) == dp and all(plan)  # every rank has work
-    seen = []
-    total_weight = 0.0
+    plan = plan_step(groups, dp, budget, normalization, cost)
+    assert len(plan) == dp and len({len(rank) for rank in plan}) == 1  # equal micro-batch counts
+    seen, total_weight = [], 0.0
     for rank in plan:
+        assert any(mb.loss_weight.any() for mb in rank)  # every rank trains on something
         for mb in rank:
-            rows, width = mb.input_ids.shape
-            assert rows * width <= budget or rows == 1  # over budget only when a lone sequence is
+            n, width = len(mb.cu_seqlens) - 1, mb.input_ids.shape[1]
+            assert mb.input_ids.shape == mb.labels.shape == mb.position_ids.shape == mb.loss_weight.shape == (1, width)
+            assert mb.cu_seqlens[0] == 0 and mb.cu_seqlens[-1] == width and np.all(np.diff(mb.cu_seqlens) > 0)
+            assert width <= budget or n == 1  # over budget only when a lone sequence is
+            starts = np.repeat(mb.cu_seqlens[:-1], np.diff(mb.cu_seqlens))
+            assert np.array_equal(mb.position_ids[0], np.arange(width) - starts)  # positions restart per sequence
             total_weight += float(mb.loss_weight.sum())
-            for b in range(rows):
-                seen.append(int((mb.loss_weight[b] > 0).sum()))
-    assert sorted(seen) == sorted(x for ls in lengths for x in ls)
+            if not mb.loss_weight.any():  # a filler: one zero-weight token
+                assert width == 1
+                continue
+            seen += [(tuple(tokens), int((weights > 0).sum())) for tokens, weights in _segments(mb)]
+    expected = [(tuple(np.concatenate([g.prompt_ids, t.response_ids])), len(t.response_ids))
+                for g in groups for t in g.trajectories]  # fmt: skip
+    assert sorted(seen) == sorted(expected)
     np.testing.assert_allclose(total_weight, 1.0, rtol=1e-5)
 
 
-def test_labels_and_behaviour_logprobs_line_up() -> None:
-    group = make_group([3])
+def test_labels_and_behaviour_logprobs_line_up_in_a_packed_row() -> None:
+    group = make_group([3, 5])
     (mb,), = plan_step([group], 1, 1000, "token_mean")  # fmt: skip
-    traj, p = group.trajectories[0], len(group.prompt_ids)
-    response_positions = np.flatnonzero(mb.loss_weight[0])
-    assert list(response_positions) == [p - 1, p, p + 1]
-    assert np.array_equal(mb.labels[0, response_positions], traj.response_ids)
-    assert np.array_equal(mb.input_ids[0, :p], group.prompt_ids)
-    assert np.array_equal(mb.behaviour_logprobs[0, response_positions], traj.logprobs)
+    p = len(group.prompt_ids)
+    assert mb.cu_seqlens.tolist() == [0, p + 4, 2 * p + 6]  # longest first, each L - 1 positions
+    longest_first = sorted(group.trajectories, key=lambda t: -len(t.response_ids))
+    for start, traj in zip(mb.cu_seqlens[:-1], longest_first, strict=True):
+        response_positions = np.flatnonzero(mb.loss_weight[0, start : start + p + len(traj.response_ids) - 1])
+        assert list(response_positions) == list(range(p - 1, p - 1 + len(traj.response_ids)))
+        at = start + response_positions
+        assert np.array_equal(mb.labels[0, at], traj.response_ids)
+        assert np.array_equal(mb.input_ids[0, start : start + p], group.prompt_ids)
+        assert np.array_equal(mb.behaviour_logprobs[0, at], traj.logprobs)
+
+
+def test_plan_rank_is_its_share_of_plan_step() -> None:
+    groups = [make_group([4, 9, 2, 7], seed=i) for i in range(3)]
+    plan = plan_step(groups, 3, 24, "sequence_mean")
+    for rank in range(3):
+        mine = plan_rank(groups, 3, rank, 24, "sequence_mean")
+        assert [mb.cu_seqlens.tolist() for mb in mine] == [mb.cu_seqlens.tolist() for mb in plan[rank]]
+        assert all(np.array_equal(a.input_ids, b.input_ids) for a, b in zip(mine, plan[rank], strict=True))

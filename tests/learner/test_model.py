@@ -7,10 +7,7 @@ that streaming the live model back to HF names reproduces the checkpoint bit for
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,15 +17,9 @@ from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, megatr
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
+from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
 
 BATCH, SEQ, PAD_FROM = 2, 16, 11  # row 1 is row 0 right-padded from position PAD_FROM (labels from PAD_FROM-1)
-TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,13 +80,6 @@ def _check_against_hf(model_dir: Path, logprobs: torch.Tensor, grads: dict, weig
         assert torch.allclose(grad, hf_grads[name], rtol=1e-3, atol=1e-5), name
 
 
-@pytest.fixture(scope="module")
-def tp1_world() -> Iterator[None]:
-    init_parallel(0, 1, 1, "127.0.0.1", _free_port(), TIMEOUT_S, seed=0)
-    yield
-    destroy_parallel()
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_tp1_matches_hf(tp1_world: None, tiny_model_dirs: Callable[[str], Path], arch: str) -> None:
     hf_config, hf_state = load_hf_checkpoint(tiny_model_dirs(arch))
@@ -107,7 +91,7 @@ def test_tp1_matches_hf(tp1_world: None, tiny_model_dirs: Callable[[str], Path],
 
 def _tp2_rank(rank: int, port: int, model_dirs: dict[str, Path], out_dir: Path) -> None:
     """One TP=2 rank: per arch, save (logprobs, grads, weights) to `out_dir/{arch}-{rank}.pt`."""
-    try:
+    with record_errors(out_dir, rank):
         torch.set_num_threads(1)
         init_parallel(rank, 2, 2, "127.0.0.1", port, TIMEOUT_S, seed=0)
         for arch, model_dir in model_dirs.items():
@@ -116,32 +100,11 @@ def _tp2_rank(rank: int, port: int, model_dirs: dict[str, Path], out_dir: Path) 
             load_hf_weights(model, hf_state, hf_config)
             torch.save(_megatron_logprobs_and_grads(model, hf_config), out_dir / f"{arch}-{rank}.pt")
         destroy_parallel()
-    except BaseException:
-        (out_dir / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
 
 
-def test_tp2_matches_hf(
-    tiny_model_dirs: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tp2_matches_hf(tiny_model_dirs: Callable[[str], Path], tmp_path: Path) -> None:
     model_dirs = {arch: tiny_model_dirs(arch) for arch in ("qwen3", "llama")}
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks; the machine has 2 cores
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_tp2_rank, args=(rank, port, model_dirs, tmp_path)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        for proc in procs:
-            proc.join(timeout=2 * TIMEOUT_S)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
-    errors = {p.name: p.read_text() for p in tmp_path.glob("error-*.txt")}
-    assert not errors, errors
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    run_ranks(_tp2_rank, 2, (model_dirs,), tmp_path, 2 * TIMEOUT_S)
     for arch, model_dir in model_dirs.items():
         ranks = [torch.load(tmp_path / f"{arch}-{rank}.pt") for rank in range(2)]
         assert torch.equal(ranks[0][0], ranks[1][0])  # every TP rank gets the same log-probs

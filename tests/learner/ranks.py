@@ -1,0 +1,60 @@
+"""Helpers for learner tests: a free rendezvous port and spawned gloo ranks with bounded joins.
+
+`run_ranks(target, world_size, args, out_dir, timeout_s)` starts `target(rank, port, *args, out_dir)` in
+`world_size` spawned processes (OMP_NUM_THREADS=1: the test machine has few cores), joins each within
+`timeout_s`, kills (by handle) any that hangs, and fails with the traceback a rank wrote to `out_dir/error-R.txt`.
+Targets report results by writing files to `out_dir`; `record_errors` wraps a target body to write that file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+TIMEOUT_S = 60.0  # bound on a learner test's rendezvous and collectives
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def record_errors(out_dir: Path, rank: int) -> Iterator[None]:
+    """In a spawned rank: write any exception's traceback where `run_ranks` looks for it, then re-raise."""
+    try:
+        yield
+    except BaseException:
+        (out_dir / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(target: Callable[..., None], world_size: int, args: tuple, out_dir: Path, timeout_s: float) -> None:
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, *args, out_dir)) for rank in range(world_size)]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=timeout_s)
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+    errors = {p.name: p.read_text() for p in out_dir.glob("error-*.txt")}
+    assert not errors, errors
+    assert [proc.exitcode for proc in procs] == [0] * world_size
