@@ -3,8 +3,8 @@
 Delivery contract:
 - `TrajectoryProducer.push` appends one entry per group; it waits (bounded) while the backlog of
   unconsumed groups is at `max_backlog`, never trimming unread data. The append is idempotent per
-  group id (a Lua script checks and sets a marker in the same atomic step), so a push retried after
-  a lost reply returns the entry it already added instead of adding a second one.
+  group id (a Lua script checks and sets a marker in the same atomic step as the XADD), so a push
+  retried after a lost reply returns the entry it already added instead of adding a second one.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`, looked for at most every quarter of it), then reads new ones. Entries
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
@@ -38,10 +38,12 @@ from streamrl.types import ConsumedGroup, TrajectoryGroup
 CONSUMER_GROUP = "learners"
 # A push marker only has to outlive the retries of one push (bounded by the reconnect window, at most 600 s).
 PUSH_MARKER_TTL_MS = 3_600_000
-# KEYS: stream, marker of the group; ARGV: entry bytes, marker TTL in ms. Returns the group's entry id.
+# KEYS: stream, marker of the group; ARGV: entry bytes, marker TTL in ms, max backlog.
+# Returns the group's entry id (the existing one if it was pushed before), or 0 while the backlog is full.
 _PUSH_SCRIPT = """
 local entry_id = redis.call('GET', KEYS[2])
 if entry_id then return entry_id end
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
 entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
 redis.call('SET', KEYS[2], entry_id, 'PX', ARGV[2])
 return entry_id
@@ -101,7 +103,11 @@ def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reco
 
 
 class TrajectoryProducer:
-    """Appends encoded groups to the stream, waiting while the consumers are `max_backlog` behind."""
+    """Appends encoded groups to the stream, waiting while the consumers are `max_backlog` behind.
+
+    The backlog check runs inside the append script, so the bound is exact however many producers push
+    (consumed entries are deleted at commit: XLEN counts exactly what is not yet trained on).
+    """
 
     def __init__(self, client: redis.Redis, keys: QueueKeys, max_backlog: int, wait_timeout_s: float):
         self.client, self.keys = client, keys
@@ -109,9 +115,24 @@ class TrajectoryProducer:
         self.backpressure_wait_s = 0.0  # cumulative time spent waiting on the backlog (a metric)
 
     def push(self, groups: list[TrajectoryGroup]) -> list[str]:
-        """Append the groups in one round trip; returns their entry ids (the earlier ones for groups pushed before)."""
+        """Append the groups, one round trip while there is room; returns their entry ids, in order."""
         deadline = time.monotonic() + self.wait_timeout_s
-        # Consumed entries are deleted at commit, so XLEN counts exactly what is not yet trained on.
+        payloads = {group.group_id: encode_group(group) for group in groups}
+        entry_ids: dict[str, str] = {}
+        while True:
+            waiting = [group_id for group_id in payloads if group_id not in entry_ids]
+            pipe = self.client.pipeline(transaction=False)
+            for group_id in waiting:
+                # EVAL, not EVALSHA: a restarted server has an empty script cache, and the retry would hit NOSCRIPT.
+                pipe.eval(_PUSH_SCRIPT, 2, self.keys.stream, self.keys.pushed(group_id), payloads[group_id],
+                          PUSH_MARKER_TTL_MS, self.max_backlog)  # fmt: skip
+            entry_ids |= {gid: reply.decode() for gid, reply in zip(waiting, pipe.execute(), strict=True) if reply}
+            if len(entry_ids) == len(payloads):
+                return [entry_ids[group.group_id] for group in groups]
+            self._wait_for_room(deadline)
+
+    def _wait_for_room(self, deadline: float) -> None:
+        # Poll the length (cheap) rather than resend payloads that a full backlog would refuse again.
         while self.client.xlen(self.keys.stream) >= self.max_backlog:
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -120,12 +141,6 @@ class TrajectoryProducer:
                 )
             time.sleep(0.05)
             self.backpressure_wait_s += 0.05
-        pipe = self.client.pipeline(transaction=False)
-        for group in groups:
-            # EVAL, not EVALSHA: a restarted server has an empty script cache, and the retry would hit NOSCRIPT.
-            pipe.eval(_PUSH_SCRIPT, 2, self.keys.stream, self.keys.pushed(group.group_id), encode_group(group),
-                      PUSH_MARKER_TTL_MS)  # fmt: skip
-        return [eid.decode() for eid in pipe.execute()]
 
 
 class TrajectoryConsumer:

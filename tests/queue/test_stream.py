@@ -1,5 +1,6 @@
 """The Redis stream queue against a real embedded server: delivery, acks, reclaim, dead letters, auth."""
 
+import threading
 import time
 
 import pytest
@@ -107,10 +108,23 @@ def test_malformed_entry_goes_to_dead_letters_and_consumer_continues(redis_serve
 
 def test_producer_waits_for_backlog_then_times_out(redis_server, queue_keys) -> None:
     producer = _producer(redis_server, queue_keys, max_backlog=2, wait_s=0.3)
-    producer.push([make_group([1], seed=0), make_group([1], seed=1)])
+    producer.push([make_group([1], seed=0)])
     with pytest.raises(TimeoutError, match="backlog"):
-        producer.push([make_group([1], seed=2)])
+        producer.push([make_group([1], seed=1), make_group([1], seed=2)])
     assert producer.backpressure_wait_s > 0
+    assert producer.client.xlen(queue_keys.stream) == 2  # the bound holds inside one push too
+
+
+def test_a_waiting_push_completes_once_the_learner_commits(redis_server, queue_keys) -> None:
+    producer = _producer(redis_server, queue_keys, max_backlog=2, wait_s=10)
+    consumer = _consumer(redis_server, queue_keys, "a")
+    producer.push([make_group([1], seed=0), make_group([1], seed=1)])
+    committer = threading.Timer(0.2, lambda: consumer.commit(consumer.read(2, 100)))
+    committer.start()
+    entry_ids = producer.push([make_group([1], seed=i) for i in (2, 3, 1)])  # g1 again: pushed before, no wait
+    committer.join()
+    assert len(set(entry_ids)) == 3 and producer.backpressure_wait_s > 0
+    assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2", "g3"]
 
 
 def test_wrong_password_is_refused(redis_server) -> None:
