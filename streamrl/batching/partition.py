@@ -77,17 +77,26 @@ def _water_fill(loads: np.ndarray, wave: np.ndarray) -> np.ndarray:
     levels = (wave.sum() + np.cumsum(level_loads)) / np.arange(1, len(loads) + 1)
     filled = int(np.flatnonzero(levels >= level_loads)[-1])
     gaps = np.cumsum(np.maximum(levels[filled] - level_loads[: filled + 1], 0.0))
-    # Each item goes to the part whose cumulative gap its midpoint falls in: the largest to the lightest.
-    midpoints = np.cumsum(wave) - wave / 2
-    return ascending[np.minimum(np.searchsorted(gaps, midpoints, side="right"), filled)]
+    # Deal the wave in stride order (items 0, s, 2s, ..., then 1, s+1, ...) so that the run each part receives
+    # spans the wave's range of lengths: parts then also get similar token counts and micro-batch counts.
+    stride = filled + 1
+    grid = np.arange(-(-len(wave) // stride) * stride).reshape(-1, stride).T.reshape(-1)
+    dealt = grid[grid < len(wave)]
+    # Each item goes to the part whose cumulative gap its midpoint falls in.
+    midpoints = np.cumsum(wave[dealt]) - wave[dealt] / 2
+    part = np.empty(len(wave), dtype=np.int64)
+    part[dealt] = ascending[np.minimum(np.searchsorted(gaps, midpoints, side="right"), filled)]
+    return part
 
 
 def _improve(costs: np.ndarray, part: np.ndarray, parts: int) -> None:
     """In place: best one-item move or swap between the heaviest and lightest part, while it helps."""
     loads = np.bincount(part, weights=costs, minlength=parts)
     tolerance = _GOOD_ENOUGH * loads.mean()
-    # Items grouped by part (a unique key keeps the order identical on every rank), sliced lazily.
-    by_part = np.argsort(part * len(part) + np.arange(len(part)))
+    if loads.max() - loads.min() <= tolerance:
+        return
+    # Items grouped by part, sliced lazily; a stable sort on the narrowest dtype is a radix sort.
+    by_part = np.argsort(part.astype(np.min_scalar_type(parts)), kind="stable")
     bounds = np.concatenate([[0], np.cumsum(np.bincount(part, minlength=parts))])
     members: dict[int, np.ndarray] = {}  # current items of the parts touched so far
     for _ in range(_IMPROVE_ROUNDS):
