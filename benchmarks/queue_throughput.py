@@ -144,14 +144,13 @@ def tiny_step_times(client: redis.Redis, steps: int) -> list[float]:
 
 def tiny_groups() -> list[TrajectoryGroup]:
     rng = np.random.default_rng(0)
-    return [
-        TrajectoryGroup("t", "engine-0", rng.integers(0, 64, 20, dtype=np.int32), tuple(
-            Trajectory(rng.integers(0, 64, 12, dtype=np.int32), -rng.random(12, dtype=np.float32),
-                       np.zeros(12, np.int32), 1.0, "stop")
-            for _ in range(RESPONSES)
-        ))  # fmt: skip
-        for _ in range(8)
-    ]
+
+    def response() -> Trajectory:
+        return Trajectory(rng.integers(0, 64, 12, dtype=np.int32), -rng.random(12, dtype=np.float32),
+                          np.zeros(12, np.int32), 1.0, "stop")  # fmt: skip
+
+    prompt = rng.integers(0, 64, 20, dtype=np.int32)
+    return [TrajectoryGroup("t", "engine-0", prompt, tuple(response() for _ in range(RESPONSES))) for _ in range(8)]
 
 
 def codec_mb_s(tokens: int) -> dict[str, float]:
@@ -208,6 +207,7 @@ def main() -> None:
                         row[f"{mode}_groups_s"] = total / statistics.median(samples)
                         row[f"{mode}_mb_s"] = row[f"{mode}_groups_s"] * group_bytes / 1e6
                     row["ratio"] = row["streamrl_groups_s"] / row["raw_groups_s"]
+                    row["run_ratios"] = [r / s for r, s in zip(times["raw"], times["streamrl"], strict=True)]
                     rows.append(row)
                     print(format_row(row), flush=True)
             step_s = tiny_step_times(client, tiny_steps)
