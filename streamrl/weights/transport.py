@@ -8,7 +8,8 @@ fresh store prefix and group.
 Wire protocol, per bucket: broadcast int64[3] `(manifest_bytes, payload_bytes, version)`, then the
 msgpack manifest (uint8), then the flat payload (uint8). The version's last bucket has
 `manifest.last`. The publisher packs bucket k+1 (which also drives the gather/convert of its
-tensors) while bucket k is still being broadcast, alternating between two reusable buffers.
+tensors) while bucket k is still being broadcast, alternating between two reusable buffers; on
+GPU, NCCL's stream waits for the packing copies queued before each broadcast, so nothing blocks.
 Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging (invariant 4).
 Receivers stage the whole version before returning it, so a broken publish never reaches the model
 (invariant 3).
@@ -25,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from streamrl.weights.bucket import Manifest, bucket_nbytes, pack, plan_buckets, unpack
+from streamrl.weights.bucket import Manifest, as_bytes, bucket_nbytes, describe, pack, plan_buckets, unpack
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +85,18 @@ class WeightGroup:
             slot = count % 2
             for work in in_flight[slot]:
                 work.wait()
-            buffer = self._buffer(slot, bucket_nbytes(bucket))
-            manifest = pack(bucket, buffer, version, count, last=following is None)
+            last = following is None
+            if len(bucket) == 1:  # a large tensor travels from its own storage: no packing copy
+                manifest = describe(bucket, version, count, last)
+                payload = as_bytes(bucket[0][1])
+            else:
+                buffer = self._buffer(slot, bucket_nbytes(bucket))
+                manifest = pack(bucket, buffer, version, count, last)
+                payload = buffer[: manifest.nbytes]
             encoded = torch.frombuffer(bytearray(manifest.encode()), dtype=torch.uint8).to(self.device)
             header = torch.tensor([encoded.numel(), manifest.nbytes, version], dtype=torch.int64, device=self.device)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # packing copies must land before NCCL reads
-            in_flight[slot] = [self._broadcast(header), self._broadcast(encoded),
-                               self._broadcast(buffer[: manifest.nbytes])]  # fmt: skip
+            # The works hold their tensors alive until they complete; waiting on them frees the slot.
+            in_flight[slot] = [self._broadcast(header), self._broadcast(encoded), self._broadcast(payload)]
             total += manifest.nbytes
             count += 1
             bucket = following
@@ -101,11 +106,12 @@ class WeightGroup:
         return PublishStats(version, count, total, time.perf_counter() - start)
 
     def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Ranks >= 1: block until a whole version has arrived; returns it as owned tensors."""
+        """Ranks >= 1: block until a whole version has arrived; returns it (views of received buffers)."""
         if self.rank == 0:
             raise RuntimeError("weights: rank 0 publishes, it does not receive")
         staged: list[tuple[str, torch.Tensor]] = []
         version = None
+        previous: tuple[torch.Tensor, Manifest] | None = None
         for index in itertools.count():
             header = torch.empty(3, dtype=torch.int64, device=self.device)
             self._broadcast(header).wait()
@@ -113,8 +119,6 @@ class WeightGroup:
             encoded = torch.empty(manifest_bytes, dtype=torch.uint8, device=self.device)
             self._broadcast(encoded).wait()
             manifest = Manifest.decode(encoded.cpu().numpy().tobytes())
-            buffer = self._buffer(0, payload_bytes)[:payload_bytes]
-            self._broadcast(buffer).wait()
             if version is None:
                 version = bucket_version
             if manifest.version != version or bucket_version != version or manifest.index != index:
@@ -122,8 +126,15 @@ class WeightGroup:
                     f"weights: got bucket {manifest.index} of version {manifest.version}, expected bucket {index} of "
                     f"version {version}"
                 )
-            staged += [(name, tensor.clone()) for name, tensor in unpack(buffer, manifest)]
+            # A fresh buffer per bucket: the returned tensors are views of it, so staging costs no copy.
+            buffer = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
+            self._broadcast(buffer).wait()
+            # Unpack the previous bucket while this one is in flight (CPU work off the transfer's path).
+            if previous is not None:
+                staged += unpack(*previous)
+            previous = (buffer, manifest)
             if manifest.last:
+                staged += unpack(buffer, manifest)
                 return version, staged
         raise AssertionError("itertools.count() is endless")
 

@@ -15,8 +15,11 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
 def test_plan_respects_budget_and_order() -> None:
     buckets = list(plan_buckets(_tensors(), bucket_bytes=150))
     assert [n for b in buckets for n, _ in b] == ["a", "b", "c", "d"]
-    # a is 120 B (128 aligned), b 10 B (16 aligned): together 144 <= 150; c (400 B) is alone, over budget.
-    assert [[n for n, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    # a (120 B, 128 aligned) and c (400 B) are at least half the budget: alone; b and d are small, but
+    # c between them keeps the order, so they travel in separate buckets.
+    assert [[n for n, _ in b] for b in buckets] == [["a"], ["b"], ["c"], ["d"]]
+    small = list(plan_buckets([("x", torch.zeros(4)), ("y", torch.zeros(4)), ("z", torch.zeros(30))], 100))
+    assert [[n for n, _ in b] for b in small] == [["x", "y"], ["z"]]
     assert len(list(plan_buckets(_tensors(), bucket_bytes=1 << 20))) == 1
     with pytest.raises(ValueError, match="bucket_bytes"):
         list(plan_buckets(_tensors(), 0))

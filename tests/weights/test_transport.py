@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from streamrl.queue.server import free_port
+from streamrl.net import free_port
 
 TIMEOUT_S = 20.0
 

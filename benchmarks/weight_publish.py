@@ -1,0 +1,235 @@
+"""Weight publish throughput on GPUs: our bucketed publish vs a raw NCCL broadcast vs one tensor at a time.
+
+Run on a machine with >= 2 GPUs (GPU 0 = learner, GPUs 1.. = receivers):
+    python benchmarks/weight_publish.py --model qwen3-8b --out benchmarks/results/weight_publish.json
+
+The learner process builds a real Megatron GPTModel (fp32 master weights) from a Qwen3-shaped HF
+config with random weights and publishes it through the production path: `stream_hf_weights`
+(TP gather, fused QKV / gate-up split, HF names), cast to bf16, `WeightGroup.publish` (double-buffered
+buckets over a standalone NCCL group). Receivers stage the whole version (`WeightGroup.receive`) and
+then load it, i.e. copy every tensor into a preallocated HF-layout parameter of its own (vLLM is not
+on the GPU image: its `load_weights` does the same copy plus a few fused-layout views).
+
+In the same run, the same receivers time:
+- ceiling: a raw NCCL broadcast of the same number of bytes from one flat buffer, in 1 GiB pieces;
+- naive: every HF tensor converted and broadcast on its own, received into a fresh tensor, loaded.
+Each figure is the median of `--repeats` trials, timed from a barrier to the last receiver's load
+("transfer" rows: to the moment the whole version sits in the receiver, before the load copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MODELS = {
+    # Qwen3-8B: 36 layers, hidden 4096, 32 heads / 8 KV heads of 128, FFN 12288, vocab 151936.
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936),
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144, vocab_size=151936),
+}  # fmt: skip
+# Expert-heavy layers shaped like Qwen3-30B-A3B (hidden 2048, 128 experts of FFN 768, 32 heads / 4 KV of
+# 128): HF tensors created directly on the GPU (the MoE converter is not built yet), so this mode times
+# bucketing + transfer + load of ~3 MB tensors, without gather/convert.
+MOE_LAYERS = {"qwen3-30b-a3b-12layers": 12}
+GiB = 1 << 30
+# Parameter bytes (bf16) of models we extrapolate to.
+EXTRAPOLATE = {"Qwen3-30B-A3B": 30.5e9 * 2, "Qwen3-235B-A22B": 235e9 * 2, "DeepSeek-V3 (671B)": 671e9 * 2}
+
+
+def hf_config(name: str) -> dict:
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "hidden_act": "silu", **MODELS[name]}  # fmt: skip
+
+
+def moe_tensors(layers: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    h, experts, ffn, heads, kv, hd = 2048, 128, 768, 32, 4, 128
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes += [(f"{p}.self_attn.q_proj.weight", (heads * hd, h)), (f"{p}.self_attn.k_proj.weight", (kv * hd, h)),
+                   (f"{p}.self_attn.v_proj.weight", (kv * hd, h)), (f"{p}.self_attn.o_proj.weight", (h, heads * hd)),
+                   (f"{p}.mlp.gate.weight", (experts, h))]  # fmt: skip
+        for e in range(experts):
+            q = f"{p}.mlp.experts.{e}"
+            shapes += [(f"{q}.gate_proj.weight", (ffn, h)), (f"{q}.up_proj.weight", (ffn, h)),
+                       (f"{q}.down_proj.weight", (h, ffn))]  # fmt: skip
+    return [(n, torch.randn(s, device=device, dtype=torch.bfloat16)) for n, s in shapes]
+
+
+def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
+    flag = torch.zeros(1, device=device)
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([flag], options).wait()
+    torch.cuda.synchronize(device)
+
+
+def _learner(args: argparse.Namespace, world: int, port: int) -> None:
+    from streamrl.learner.convert import stream_hf_weights
+    from streamrl.learner.model import build_gpt_model
+    from streamrl.learner.parallel import init_parallel
+    from streamrl.weights.transport import WeightGroup
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    if args.model in MOE_LAYERS:
+        tensors = moe_tensors(MOE_LAYERS[args.model], device)
+        hf_stream = lambda: iter(tensors)  # noqa: E731
+    else:
+        init_parallel(0, 1, 1, "127.0.0.1", port + 1, 600.0, seed=0)
+        config = hf_config(args.model)
+        model = build_gpt_model(config)
+        hf_stream = lambda: ((n, t.to(torch.bfloat16)) for n, t in stream_hf_weights(model, config))  # noqa: E731
+    group = WeightGroup("127.0.0.1", port, 0, world, 0, 600.0, device="cuda")
+    total = sum(t.numel() * 2 for _, t in hf_stream())
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.group.broadcast([torch.tensor([total], device=device)], options).wait()  # receivers size the ceiling
+    ceiling = torch.empty(GiB, dtype=torch.uint8, device=device).random_()
+    for trial in range(args.repeats + 1):  # trial 0 warms up NCCL and the allocator
+        _barrier(group.group, device)
+        sent = 0
+        while sent < total:
+            piece = min(GiB, total - sent)
+            group.group.broadcast([ceiling[:piece]], options)
+            sent += piece
+        _barrier(group.group, device)
+        for bucket_mb in args.bucket_mb:
+            _barrier(group.group, device)
+            group.publish(trial, hf_stream(), bucket_mb << 20)
+            _barrier(group.group, device)
+        _barrier(group.group, device)
+        for _, tensor in hf_stream():
+            group.group.broadcast([tensor.contiguous()], options)
+        _barrier(group.group, device)
+
+
+def _load(destination: dict[str, torch.Tensor], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """The engine-side load, the same for every method: copy into the engine's own parameter storage."""
+    torch._foreach_copy_([destination[name] for name, _ in tensors], [tensor for _, tensor in tensors])
+
+
+def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -> None:
+    from streamrl.weights.transport import WeightGroup
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = WeightGroup("127.0.0.1", port, rank, world, 0, 600.0, device="cuda")
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    total = torch.zeros(1, dtype=torch.int64, device=device)
+    group.group.broadcast([total], options).wait()
+    total_bytes = int(total.item())
+    timings: dict[str, list[float]] = {"bytes": [total_bytes]}
+    destination: dict[str, torch.Tensor] = {}
+    ceiling = torch.empty(GiB, dtype=torch.uint8, device=device)
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for trial in range(args.repeats + 1):
+        _barrier(group.group, device)
+        start = time.perf_counter()
+        received = 0
+        while received < total_bytes:
+            piece = min(GiB, total_bytes - received)
+            group.group.broadcast([ceiling[:piece]], options).wait()
+            received += piece
+        _barrier(group.group, device)
+        if trial:
+            timings.setdefault("ceiling", []).append(time.perf_counter() - start)
+        for bucket_mb in args.bucket_mb:
+            _barrier(group.group, device)
+            start = time.perf_counter()
+            _, tensors = group.receive()
+            torch.cuda.synchronize(device)
+            received_at = time.perf_counter()
+            for name, tensor in tensors:
+                destination.setdefault(name, torch.empty_like(tensor))
+            _load(destination, tensors)
+            _barrier(group.group, device)
+            if trial:
+                timings.setdefault(f"bucketed {bucket_mb} MiB", []).append(time.perf_counter() - start)
+                timings.setdefault(f"bucketed {bucket_mb} MiB transfer", []).append(received_at - start)
+            shapes = [(n, tuple(t.shape)) for n, t in tensors]
+        _barrier(group.group, device)
+        start = time.perf_counter()
+        naive = []
+        for _, shape in shapes:  # naive: one broadcast per tensor into a fresh buffer, then load
+            naive.append(torch.empty(shape, dtype=torch.bfloat16, device=device))
+            group.group.broadcast([naive[-1]], options).wait()
+        torch.cuda.synchronize(device)
+        received_at = time.perf_counter()
+        _load(destination, [(name, tensor) for (name, _), tensor in zip(shapes, naive, strict=True)])
+        _barrier(group.group, device)
+        if trial:
+            timings.setdefault("naive per-tensor", []).append(time.perf_counter() - start)
+            timings.setdefault("naive per-tensor transfer", []).append(received_at - start)
+    queue.put((rank, timings))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS) + sorted(MOE_LAYERS))
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_publish.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # these hosts forbid NVLink multicast
+    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")  # no heartbeat noise when the learner exits first
+    world = torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit("weight_publish: needs at least 2 GPUs (learner + receiver)")
+    from streamrl.net import free_port
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_learner, args=(args, world, port))]
+    procs += [ctx.Process(target=_receiver, args=(r, args, world, port, queue)) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    per_receiver = [queue.get(timeout=1800) for _ in range(world - 1)]
+    for p in procs:
+        p.join(120)
+    report(args, per_receiver, world)
+
+
+def report(args: argparse.Namespace, per_receiver: list, world: int) -> None:
+    total_bytes = per_receiver[0][1].pop("bytes")[0]
+    for _, timings in per_receiver[1:]:
+        timings.pop("bytes")
+    gb = total_bytes / 1e9
+    # The publish is done when the slowest receiver has loaded: take the max over receivers per trial.
+    methods = per_receiver[0][1].keys()
+    median = {m: statistics.median(max(t[m][i] for _, t in per_receiver) for i in range(args.repeats))
+              for m in methods}  # fmt: skip
+    ceiling, naive = median["ceiling"], median["naive per-tensor"]
+    rows = [(m, s, gb / s, ceiling / s, naive / s) for m, s in median.items()]
+    print(f"\nweight publish: {args.model}, {gb:.2f} GB bf16, {world - 1} receiver(s), {torch.cuda.get_device_name(0)}")
+    print(f"{'method':<22}{'seconds':>9}{'GB/s':>9}{'vs raw':>9}{'vs naive':>10}")
+    for m, s, rate, vs_ceiling, vs_naive in rows:
+        print(f"{m:<22}{s:>9.3f}{rate:>9.1f}{vs_ceiling:>9.2f}{vs_naive:>10.2f}")
+    best = min((s for m, s in median.items() if m.startswith("bucketed")))
+    rate = total_bytes / best
+    print("\nextrapolated full publish at the best bucketed rate:")
+    for name, nbytes in EXTRAPOLATE.items():
+        print(f"  {name:<20} {nbytes / 1e9:>7.0f} GB  {nbytes / rate:>7.1f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "model": args.model, "bytes": total_bytes, "receivers": world - 1, "gpu": torch.cuda.get_device_name(0),
+        "median_seconds": median, "gbps": {m: gb / s for m, s in median.items()},
+        "extrapolated_seconds": {n: b / rate for n, b in EXTRAPOLATE.items()},
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
