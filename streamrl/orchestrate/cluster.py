@@ -22,7 +22,7 @@ from typing import Any
 from streamrl.config import Config
 from streamrl.net import free_port
 from streamrl.queue.server import EmbeddedRedis
-from streamrl.queue.stream import QueueKeys, connect
+from streamrl.queue.stream import QueueKeys, connect_for
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Cluster:
             self.redis_url, self.redis_password = self.redis.url, self.redis.password
         else:
             self.redis_url, self.redis_password = config.queue.url, os.environ.get(config.queue.password_env)
-        self.redis_client = connect(self.redis_url, self.redis_password)
+        self.redis_client = connect_for(config.queue, self.redis_url, self.redis_password)
         if not ray.is_initialized():
             # Actors inherit these: one intra-op thread each, since ranks and engines share the cores.
             env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": config.wandb.mode}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import redis
 
+from streamrl.config import QueueConfig
 from streamrl.queue.codec import DecodeError, decode_group, encode_group
 from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
@@ -102,6 +103,12 @@ def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reco
     return client
 
 
+
+def connect_for(queue: QueueConfig, url: str, password: str | None) -> redis.Redis:
+    """`connect` with the run's reconnect window and ACL user (what every stage of a run uses)."""
+    return connect(url, password, reconnect_timeout_s=queue.reconnect_timeout_s, username=queue.username)
+
+
 class TrajectoryProducer:
     """Appends encoded groups to the stream, waiting while the consumers are `max_backlog` behind.
 
@@ -114,20 +121,25 @@ class TrajectoryProducer:
         self.max_backlog, self.wait_timeout_s = max_backlog, wait_timeout_s
         self.backpressure_wait_s = 0.0  # cumulative time spent waiting on the backlog (a metric)
 
+    def try_push(self, groups: list[TrajectoryGroup]) -> dict[str, str]:
+        """One round trip, no waiting: append the groups that fit under the backlog bound.
+
+        Returns {group_id: entry_id} of the groups now in the stream (a group pushed before keeps its entry).
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for group in groups:
+            # EVAL, not EVALSHA: a restarted server has an empty script cache, and the retry would hit NOSCRIPT.
+            pipe.eval(_PUSH_SCRIPT, 2, self.keys.stream, self.keys.pushed(group.group_id), encode_group(group),
+                      PUSH_MARKER_TTL_MS, self.max_backlog)  # fmt: skip
+        return {group.group_id: reply.decode() for group, reply in zip(groups, pipe.execute(), strict=True) if reply}
+
     def push(self, groups: list[TrajectoryGroup]) -> list[str]:
-        """Append the groups, one round trip while there is room; returns their entry ids, in order."""
+        """Append the groups, waiting (bounded) for room; returns their entry ids, in order."""
         deadline = time.monotonic() + self.wait_timeout_s
-        payloads = {group.group_id: encode_group(group) for group in groups}
         entry_ids: dict[str, str] = {}
         while True:
-            waiting = [group_id for group_id in payloads if group_id not in entry_ids]
-            pipe = self.client.pipeline(transaction=False)
-            for group_id in waiting:
-                # EVAL, not EVALSHA: a restarted server has an empty script cache, and the retry would hit NOSCRIPT.
-                pipe.eval(_PUSH_SCRIPT, 2, self.keys.stream, self.keys.pushed(group_id), payloads[group_id],
-                          PUSH_MARKER_TTL_MS, self.max_backlog)  # fmt: skip
-            entry_ids |= {gid: reply.decode() for gid, reply in zip(waiting, pipe.execute(), strict=True) if reply}
-            if len(entry_ids) == len(payloads):
+            entry_ids |= self.try_push([group for group in groups if group.group_id not in entry_ids])
+            if len(entry_ids) == len(groups):
                 return [entry_ids[group.group_id] for group in groups]
             self._wait_for_room(deadline)
 

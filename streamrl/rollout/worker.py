@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.config import Config
-from streamrl.queue.stream import QueueKeys, TrajectoryProducer, connect
+from streamrl.queue.stream import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import build_reward
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.prompts import Prompt, PromptSource
@@ -52,7 +52,7 @@ class RolloutWorker:
         self.prompts = PromptSource(config.task, seed=config.run.seed * 1000 + engine_index)
         self.reward = build_reward(config.task)
         self.keys = QueueKeys(config.run.name)
-        self.redis = connect(redis_url, redis_password)
+        self.redis = connect_for(config.queue, redis_url, redis_password)
         self.producer = TrajectoryProducer(self.redis, self.keys, config.queue.max_backlog, config.queue.wait_timeout_s)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
         self._outbox: list[TrajectoryGroup] = []
@@ -135,13 +135,12 @@ class RolloutWorker:
         """Push held groups if the stream has room; False while backpressure holds them back."""
         if not self._outbox:
             return True
-        if self.redis.xlen(self.keys.stream) >= self.config.queue.max_backlog:
+        accepted = self.producer.try_push(self._outbox)
+        self.groups_pushed += len(accepted)
+        self._outbox = [group for group in self._outbox if group.group_id not in accepted]
+        if self._outbox:
             self.backpressure_s += _IDLE_S
-            return False
-        self.producer.push(self._outbox)
-        self.groups_pushed += len(self._outbox)
-        self._outbox = []
-        return True
+        return not self._outbox
 
     def _run_tasks(self) -> None:
         while True:

@@ -115,6 +115,16 @@ def test_producer_waits_for_backlog_then_times_out(redis_server, queue_keys) -> 
     assert producer.client.xlen(queue_keys.stream) == 2  # the bound holds inside one push too
 
 
+def test_try_push_appends_only_what_fits_and_never_waits(redis_server, queue_keys) -> None:
+    producer = _producer(redis_server, queue_keys, max_backlog=2, wait_s=30.0)
+    groups = [make_group([1], seed=i) for i in range(3)]
+    start = time.monotonic()
+    accepted = producer.try_push(groups)
+    assert time.monotonic() - start < 1.0
+    assert sorted(accepted) == ["g0", "g1"] and producer.try_push(groups[2:]) == {}
+    assert producer.try_push(groups[:1]) == {"g0": accepted["g0"]}  # a repeat returns the existing entry
+
+
 def test_a_waiting_push_completes_once_the_learner_commits(redis_server, queue_keys) -> None:
     producer = _producer(redis_server, queue_keys, max_backlog=2, wait_s=10)
     consumer = _consumer(redis_server, queue_keys, "a")
