@@ -18,11 +18,12 @@ linear one at L ~ 50k tokens, i.e. it adds ~60% to a 32k-token sequence but ~2% 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from streamrl.config import BatchingConfig
+if TYPE_CHECKING:  # planning needs only numpy: no pydantic at run time
+    from streamrl.config import BatchingConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,8 +97,8 @@ class LearnerWorker:
 
     # -- training ---------------------------------------------------------------------------------
     def _microbatch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, PolicyLossStats]:
-        as_t = torch.from_numpy
         logp = microbatch_logprobs(self.model, mb)  # packed: each sequence attends only to itself
+        as_t = lambda array: torch.from_numpy(array).to(logp.device)  # micro-batches are built on the host
         weight = as_t(mb.loss_weight)
         # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
         # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.

@@ -88,7 +88,7 @@ def test_packed_model_logprobs_equal_hf_per_sequence(
     (mb,), = plan_step(groups, 1, 10_000, "token_mean")  # fmt: skip
     assert len(mb.cu_seqlens) == 6  # all five sequences in one packed row
     with torch.no_grad():
-        logp = microbatch_logprobs(model, mb)[0]
+        logp = microbatch_logprobs(model, mb)[0].cpu()  # the model may live on a GPU
         for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:], strict=True):
             tokens = np.append(mb.input_ids[0, start:end], mb.labels[0, end - 1])
             assert (logp[start:end] - _hf_sequence_logprobs(hf_model, tokens)).abs().max().item() < 1e-5

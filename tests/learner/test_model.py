@@ -41,16 +41,16 @@ def _megatron_logprobs_and_grads(
     logprobs = token_logprobs(model, ids, pos, labels)
     logprobs.sum().backward()
     allreduce_tp_partial_grads(model)
-    weights = {name: t.clone() for name, t in stream_hf_weights(model, hf_config)}
+    weights = {name: t.cpu().clone() for name, t in stream_hf_weights(model, hf_config)}
     # Gather gradients with the same TP layout logic as weights by viewing each grad as its parameter.
     params = list(model.parameters())
     saved = [p.data for p in params]
     for p in params:
         p.data = p.grad
-    grads = {name: t.clone() for name, t in stream_hf_weights(model, hf_config)}
+    grads = {name: t.cpu().clone() for name, t in stream_hf_weights(model, hf_config)}
     for p, data in zip(params, saved, strict=True):
         p.data = data
-    return logprobs.detach(), grads, weights
+    return logprobs.detach().cpu(), grads, weights  # compared with HF on the host
 
 
 def _hf_logprobs_and_grads(model_dir: Path, vocab: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -46,9 +46,10 @@ def _model(model_dir: Path) -> torch.nn.Module:
 def _step_grads(model: torch.nn.Module, microbatches: list[MicroBatch]) -> dict[str, torch.Tensor]:
     """Accumulated gradient of the step's loss over `microbatches` (the worker's loss, ratio 1 in value)."""
     model.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
+    as_t = lambda array: torch.from_numpy(array).to(device)  # micro-batches are built on the host
     for mb in microbatches:
         logp = microbatch_logprobs(model, mb)
-        as_t = torch.from_numpy
         loss, _ = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages),
                               as_t(mb.loss_weight), 0.2, 2.0)  # fmt: skip
         loss.backward()
@@ -59,7 +60,7 @@ def _step_grads(model: torch.nn.Module, microbatches: list[MicroBatch]) -> dict[
 def _assert_same(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
-        assert (grad - expected[name]).abs().max().item() < 1e-5, name
+        assert (grad.cpu() - expected[name].cpu()).abs().max().item() < 1e-5, name  # the model may be on a GPU
 
 
 @pytest.mark.parametrize("normalization", ["token_mean", "sequence_mean"])
@@ -96,12 +97,12 @@ def _dp2_then_tp2_rank(rank: int, port: int, model_dir: Path, tp2_port: int, out
             for grad in grads.values():  # loss weights already divide by the whole step: sum, as the worker
                 dist.all_reduce(grad, group=parallel_state.get_data_parallel_group())
             if rank == 0:
-                torch.save(grads, out_dir / f"dp2-{budget}.pt")
+                torch.save({name: grad.cpu() for name, grad in grads.items()}, out_dir / f"dp2-{budget}.pt")
         destroy_parallel()
         init_parallel(rank, 2, 2, "127.0.0.1", tp2_port, TIMEOUT_S, seed=0)
         (mb,), = plan_step(_groups(), 1, 10_000, "token_mean")  # fmt: skip
         with torch.no_grad():
-            torch.save(microbatch_logprobs(_model(model_dir), mb)[0], out_dir / f"tp2-{rank}.pt")
+            torch.save(microbatch_logprobs(_model(model_dir), mb)[0].cpu(), out_dir / f"tp2-{rank}.pt")
         destroy_parallel()
 
 
