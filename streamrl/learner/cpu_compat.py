@@ -15,12 +15,15 @@ recompute / inference) actually hits:
   CPU default generator's state instead.
 - `get_default_causal_mask` builds its mask on "cuda"; it is rebuilt on the CPU (only reached when a caller
   passes no attention mask).
+- Distributed checkpointing (torch_dist backend) stages tensors to host memory with non-blocking copies and then
+  calls `torch.cuda.synchronize()` (`FileSystemWriterAsync.preload_tensors`); on CPU the copies are made blocking
+  (they are no-ops for host tensors), so nothing waits on a device that does not exist.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -76,12 +79,22 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
 
+def _blocking_preload(original: Callable[..., list]) -> Callable[..., list]:
+    """`FileSystemWriterAsync.preload_tensors` that always copies blocking (no `torch.cuda.synchronize()`)."""
+
+    def preload_tensors(write_buckets: list, non_blocking: bool = True) -> list:
+        return original(write_buckets, non_blocking=False)
+
+    return preload_tensors
+
+
 def apply_cpu_compat() -> None:
     """Apply the CPU patches described in the module docstring (once; a no-op when CUDA is available)."""
     global _applied
     if _applied or torch.cuda.is_available():
         return
     import megatron.core
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as transformer_utils
@@ -97,4 +110,5 @@ def apply_cpu_compat() -> None:
     # fused_softmax imported the function by name, so its module-level reference is the one that is called.
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    FileSystemWriterAsync.preload_tensors = staticmethod(_blocking_preload(FileSystemWriterAsync.preload_tensors))
     _applied = True

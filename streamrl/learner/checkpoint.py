@@ -1,0 +1,214 @@
+"""Learner checkpoints: Megatron distributed checkpoints that reload under another parallel layout.
+
+Contract: every learner rank calls `save_checkpoint(...)` / `load_checkpoint(...)` together (collectives over
+the default process group). The model's `sharded_state_dict()` and AdamW's `exp_avg` / `exp_avg_sq` (laid out
+like their parameters: same global shape and shard offsets, key `optimizer.<state>.<param key>`) are written
+with `megatron.core.dist_checkpointing` (torch_dist backend), so a checkpoint saved with TP=2 loads with TP=1
+and vice versa. AdamW's per-parameter step count, the policy version and the step sit in the common state.
+Optimizer hyperparameters (lr, betas, ...) come from the config at load time, not from the checkpoint.
+
+RNG: each rank's torch (and CUDA) generator and Megatron model-parallel tracker states are saved per rank;
+they are restored only when the layout (TP, DP) is unchanged, since a rank of another layout has no
+counterpart. Otherwise the generators stay as seeded from `run.seed` at start-up (the learner draws no
+random numbers today: dropout is 0).
+
+Layout on disk (the run directory must be shared by all ranks):
+```
+RUN_DIR/checkpoints/
+  step_00000004/
+    dist/        megatron dist_checkpointing files (metadata.json, common.pt, *.distcp)
+    meta.json    {"format", "step", "version", "tensor_parallel", "data_parallel", "config_hash"}, written last
+  latest         "step_00000004": replaced by an atomic rename once meta.json is on disk
+```
+A directory without meta.json (a crash mid-save) is never pointed to by `latest`; a malformed meta.json or
+`latest` raises `CheckpointError` naming the file and the field.
+
+Exactly-once: groups are acked in Redis, and their ids recorded, right after the optimizer step that trained
+them (`TrajectoryConsumer.commit`), not at checkpoint time. Resuming from a checkpoint older than the last step
+therefore does not retrain the groups of the steps after it: they are skipped as already trained, and those
+updates are lost rather than applied twice. A checkpoint is a point to restart the model from, not a replay log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+FORMAT = 1
+CHECKPOINTS_DIR = "checkpoints"
+LATEST = "latest"
+META = "meta.json"
+_DIST = "dist"  # the dist_checkpointing directory inside a step directory
+_STEP_DIR = re.compile(r"step_(\d{8})")
+_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    format: int  # FORMAT of the writer
+    step: int  # driver steps completed when saved
+    version: int  # policy version (optimizer steps taken) of the saved weights
+    tensor_parallel: int  # layout of the saving job; a loading job may differ
+    data_parallel: int
+    config_hash: str  # sha256 of the resolved config of the saving job (which run produced it)
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / CHECKPOINTS_DIR
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def read_meta(path: Path) -> CheckpointMeta:
+    """Validate and read `path/meta.json`; anything missing or mistyped raises naming the file and field."""
+    file = path / META
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (incomplete checkpoint)")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    fields = {"format": int, "step": int, "version": int, "tensor_parallel": int, "data_parallel": int,
+              "config_hash": str}  # fmt: skip
+    for name, kind in fields.items():
+        value = raw.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{file}: field {name!r} must be {kind.__name__}, got {value!r}")
+    if raw["format"] != FORMAT:
+        raise CheckpointError(f"{file}: field 'format' is {raw['format']}, this reader supports {FORMAT}")
+    if path.name != step_dir(path.parent, raw["step"]).name:
+        raise CheckpointError(f"{file}: field 'step' is {raw['step']} but the directory is {path.name}")
+    if not (path / _DIST / "metadata.json").is_file():
+        raise CheckpointError(f"{path / _DIST / 'metadata.json'}: missing (incomplete checkpoint)")
+    return CheckpointMeta(**{name: raw[name] for name in fields})
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The step directory `root/latest` names (validated), or None when no checkpoint was completed."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not _STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{pointer}: expected a step directory name like step_00000004, got {name!r}")
+    read_meta(root / name)
+    return root / name
+
+
+def _write_atomically(file: Path, text: str) -> None:
+    """Readers see the old content or the new, never a partial file (rename within one directory)."""
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, file)
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's state of `param`, created as a fresh (zero) state before the first step, which AdamW treats the
+    same as no state: so a checkpoint always has every tensor, and loading can write into it."""
+    state = optimizer.state[param]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for name in _ADAM_STATES:
+            state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_world: int | None) -> dict:
+    """What a checkpoint holds, as a dist_checkpointing sharded state dict. `rng_world`: the world size whose
+    per-rank RNG states to include (None: leave RNG out)."""
+    model_state = model.sharded_state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sharded_params = get_param_id_to_sharded_param_map(model_state, params)
+    names = {p: name for name, p in model.named_parameters()}
+    adam = {name: {} for name in _ADAM_STATES}
+    for index, param in enumerate(params):
+        state = _adam_state(optimizer, param)
+        for name in _ADAM_STATES:
+            adam[name][index] = make_sharded_optimizer_tensor(sharded_params[index], state[name], f"optimizer.{name}")
+    # The step count is the same on every TP/DP rank, so it is common state, keyed by layout-free parameter names.
+    adam_step = {names[p]: int(_adam_state(optimizer, p)["step"].item()) for p in params}
+    out = {"model": model_state, "optimizer": {**adam, "step": adam_step}}
+    if rng_world is not None:
+        rank = dist.get_rank()
+        out["rng"] = ShardedObject("rng_state", _rng_state(), (rng_world,), (rank,), replica_id=0)
+    return out
+
+
+def save_checkpoint(root: Path, step: int, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    config_hash: str) -> Path:  # fmt: skip
+    """Collective: write `root/step_{step:08d}` and point `root/latest` at it; returns the step directory."""
+    path = step_dir(root, step)
+    rank = dist.get_rank()
+    if rank == 0:  # a crashed earlier save of this step may have left files behind
+        shutil.rmtree(path, ignore_errors=True)
+        (path / _DIST).mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(model, optimizer, dist.get_world_size())
+    state.update(step=step, version=version)
+    dist_checkpointing.save(state, str(path / _DIST))  # ends with a barrier: every rank's shards are on disk
+    if rank == 0:
+        meta = CheckpointMeta(FORMAT, step, version, parallel_state.get_tensor_model_parallel_world_size(),
+                              parallel_state.get_data_parallel_world_size(), config_hash)  # fmt: skip
+        _write_atomically(path / META, json.dumps(asdict(meta), indent=1) + "\n")
+        _write_atomically(root / LATEST, path.name + "\n")
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointMeta:
+    """Collective: load model weights, AdamW state and (same layout only) RNG states saved at `path`."""
+    meta = read_meta(path)
+    layout = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_data_parallel_world_size())
+    same_layout = (meta.tensor_parallel, meta.data_parallel) == layout
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, dist.get_world_size() if same_layout else None),
+                                     str(path / _DIST))  # fmt: skip
+    if (loaded["step"], loaded["version"]) != (meta.step, meta.version):
+        raise CheckpointError(f"{path / META}: fields 'step'/'version' are {meta.step}/{meta.version} but the saved "
+                              f"state has {loaded['step']}/{loaded['version']}")  # fmt: skip
+    model.load_state_dict(loaded["model"])
+    names = {p: name for name, p in model.named_parameters()}
+    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        state = optimizer.state[param]  # created by _sharded_state
+        for name in _ADAM_STATES:
+            state[name].copy_(loaded["optimizer"][name][index])
+        state["step"].fill_(loaded["optimizer"]["step"][names[param]])
+    if same_layout:
+        _set_rng_state(loaded["rng"])
+    return meta

@@ -1,0 +1,154 @@
+"""Learner checkpoints round-trip model and AdamW state, across a change of tensor-parallel layout too.
+
+Each scenario trains two steps, saves, then compares "continue in the saving process" against "load the
+checkpoint into a freshly built model": one more optimizer step on a fixed batch, then the loss of another fixed
+batch. That loss depends on the weights and on both Adam moments, so equal losses mean all of them round-tripped.
+TP=2 saves run in two spawned gloo ranks; every load runs at TP=1 in the test process (`tp1_world`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrl.learner.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+    step_dir,
+)
+from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.logprobs import token_logprobs
+from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
+from streamrl.learner.parallel import destroy_parallel, init_parallel
+from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
+
+SEQ = 24
+TRAIN, NEXT, EVAL = 0, 1, 2  # batches: before the save, the step after it, the loss that is compared
+
+
+def _batch(which: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(1, vocab, (2, SEQ + 1), generator=torch.Generator().manual_seed(100 + which))
+    return tokens[:, :-1], torch.arange(SEQ).repeat(2, 1), tokens[:, 1:]
+
+
+def _loss(model: torch.nn.Module, which: int, vocab: int) -> torch.Tensor:
+    return -token_logprobs(model, *_batch(which, vocab)).mean()
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, which: int, vocab: int) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    _loss(model, which, vocab).backward()
+    allreduce_tp_partial_grads(model)
+    optimizer.step()
+
+
+def _learner(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    hf_config, hf_state = load_hf_checkpoint(model_dir)
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, hf_state, hf_config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99)), hf_config["vocab_size"]
+
+
+def _train_save_continue(model_dir: Path, root: Path) -> float:
+    """Two steps, checkpoint as step 2, one more step; the EVAL loss after it."""
+    model, optimizer, vocab = _learner(model_dir)
+    for _ in range(2):
+        _step(model, optimizer, TRAIN, vocab)
+    save_checkpoint(root, 2, 2, model, optimizer, config_hash="test")
+    _step(model, optimizer, NEXT, vocab)
+    with torch.no_grad():
+        return float(_loss(model, EVAL, vocab))
+
+
+def _load_and_continue(model_dir: Path, path: Path) -> float:
+    model, optimizer, vocab = _learner(model_dir)
+    meta = load_checkpoint(path, model, optimizer)
+    assert (meta.step, meta.version) == (2, 2)
+    assert all(int(optimizer.state[p]["step"]) == 2 for p in model.parameters())
+    _step(model, optimizer, NEXT, vocab)
+    with torch.no_grad():
+        return float(_loss(model, EVAL, vocab))
+
+
+def _tp2_rank(rank: int, port: int, model_dir: Path, root: Path, out_dir: Path) -> None:
+    with record_errors(out_dir, rank):
+        torch.set_num_threads(1)
+        init_parallel(rank, 2, 2, "127.0.0.1", port, TIMEOUT_S, seed=0)
+        loss = _train_save_continue(model_dir, root)
+        (out_dir / f"loss-{rank}.json").write_text(json.dumps(loss))
+        destroy_parallel()
+
+
+def test_tp2_checkpoint_loads_at_tp1(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    run_ranks(_tp2_rank, 2, (tiny_model_dir, root), tmp_path, 2 * TIMEOUT_S)
+    tp2_losses = [json.loads((tmp_path / f"loss-{rank}.json").read_text()) for rank in range(2)]
+    assert tp2_losses[0] == tp2_losses[1]
+    meta = read_meta(step_dir(root, 2))
+    assert (meta.tensor_parallel, meta.data_parallel) == (2, 1)
+    assert latest_checkpoint(root) == step_dir(root, 2)
+    assert _load_and_continue(tiny_model_dir, step_dir(root, 2)) == pytest.approx(tp2_losses[0], abs=1e-6, rel=0)
+
+
+@pytest.fixture(scope="module")
+def tp1_checkpoint(tp1_world: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(checkpoint root, EVAL loss of the saving process after one more step) for a TP=1 save at step 2."""
+    root = tmp_path_factory.mktemp("tp1") / "checkpoints"
+    return root, _train_save_continue(tiny_model_dir, root)
+
+
+def test_tp1_round_trip_is_exact(tp1_checkpoint: tuple, tiny_model_dir: Path) -> None:
+    root, expected = tp1_checkpoint
+    assert _load_and_continue(tiny_model_dir, latest_checkpoint(root)) == expected
+
+
+def _copy(root: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(root, tmp_path / "checkpoints"))
+
+
+def test_incomplete_checkpoint_is_not_latest(tp1_checkpoint: tuple, tmp_path: Path) -> None:
+    root = _copy(tp1_checkpoint[0], tmp_path)
+    crashed = step_dir(root, 3)  # a save that died after writing some shards, before meta.json and `latest`
+    shutil.copytree(step_dir(root, 2) / "dist", crashed / "dist")
+    assert latest_checkpoint(root) == step_dir(root, 2)
+    with pytest.raises(CheckpointError, match=r"step_00000003/meta\.json: missing"):
+        read_meta(crashed)
+    (root / "latest").write_text("step_00000003\n")  # even a pointer to it is refused, not loaded
+    with pytest.raises(CheckpointError, match="meta.json: missing"):
+        latest_checkpoint(root)
+    assert latest_checkpoint(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda meta: "{not json", r"meta\.json: not valid JSON"),
+        (lambda meta: json.dumps({**meta, "step": "two"}), r"meta\.json: field 'step' must be int, got 'two'"),
+        (lambda meta: json.dumps({k: v for k, v in meta.items() if k != "version"}), r"field 'version' must be int"),
+        (lambda meta: json.dumps({**meta, "step": 7}), r"field 'step' is 7 but the directory is step_00000002"),
+        (lambda meta: json.dumps([meta]), r"meta\.json: expected a JSON object"),
+    ],
+)
+def test_corrupt_meta_is_refused_naming_it(
+    tp1_checkpoint: tuple, tmp_path: Path, corrupt: Callable[[dict], str], message: str
+) -> None:
+    root = _copy(tp1_checkpoint[0], tmp_path)
+    meta_file = step_dir(root, 2) / "meta.json"
+    meta_file.write_text(corrupt(json.loads(meta_file.read_text())))
+    with pytest.raises(CheckpointError, match=message):
+        latest_checkpoint(root)
+
+
+def test_corrupt_latest_pointer_is_refused(tp1_checkpoint: tuple, tmp_path: Path) -> None:
+    root = _copy(tp1_checkpoint[0], tmp_path)
+    (root / "latest").write_text("../elsewhere\n")
+    with pytest.raises(CheckpointError, match=r"latest: expected a step directory name"):
+        latest_checkpoint(root)
