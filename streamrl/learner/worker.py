@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from streamrl.batching.compose import groups_needed, take_step
 from streamrl.batching.cost import cost_model
 from streamrl.batching.microbatch import plan_rank
 from streamrl.config import Config
@@ -27,8 +28,9 @@ from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import init_parallel
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
 from streamrl.net import free_port
+from streamrl.queue.admission import lag_histogram, split_by_staleness
 from streamrl.queue.codec import decode_group, encode_group
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, connect
+from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, connect_for
 from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
 from streamrl.weights.transport import WeightGroup
 
@@ -55,10 +57,12 @@ class LearnerWorker:
         self.version = 0  # policy version of the current weights: number of optimizer steps taken
         self.consumer: TrajectoryConsumer | None = None
         if rank == 0:
-            self.consumer = TrajectoryConsumer(connect(redis_url, redis_password), QueueKeys(config.run.name),
+            self.consumer = TrajectoryConsumer(connect_for(config.queue, redis_url, redis_password),
+                                               QueueKeys(config.run.name),
                                                "learner-0", config.queue.reclaim_idle_ms,
                                                config.queue.max_entry_bytes)  # fmt: skip
         self.dropped_stale = 0
+        self._held: list[ConsumedGroup] = []  # read but not yet in a step (rank 0)
         self.weights: WeightGroup | None = None
 
     def ready(self) -> int:
@@ -66,21 +70,30 @@ class LearnerWorker:
 
     # -- data -------------------------------------------------------------------------------------
     def _admit(self) -> list[ConsumedGroup]:
-        """Rank 0: read until `groups_per_step` fresh-enough groups are in hand (bounded wait)."""
+        """Rank 0: whole groups in arrival order until the step is complete (bounded wait).
+
+        Groups read beyond the step (a token budget can overshoot) are held for the next step; they
+        stay pending in Redis until the step that uses them commits. Held groups age too, so the
+        staleness rule is re-applied on every pass.
+        """
         assert self.consumer is not None
-        want, queue = self.config.batching.groups_per_step, self.config.queue
-        admitted: list[ConsumedGroup] = []
+        batching, queue = self.config.batching, self.config.queue
+        dp = self.ps.get_data_parallel_world_size()  # every DP rank needs at least one sequence
         deadline = time.monotonic() + queue.wait_timeout_s
-        while len(admitted) < want:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"learner: got {len(admitted)}/{want} groups in {queue.wait_timeout_s}s")
-            got = self.consumer.read(want - len(admitted), queue.read_block_ms)
-            floor = self.version - queue.max_staleness
-            stale = [c for c in got if c.group.min_version < floor]
+        while True:
+            self._held, stale = split_by_staleness(self._held, self.version, queue.max_staleness)
             self.consumer.drop(stale)
             self.dropped_stale += len(stale)
-            admitted += [c for c in got if c.group.min_version >= floor]
-        return admitted
+            groups = [c.group for c in self._held]
+            size = take_step(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=dp)
+            if size is not None:
+                step, self._held = self._held[:size], self._held[size:]
+                return step
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"learner: {len(groups)} groups ({sum(g.num_tokens for g in groups)} tokens) "
+                                   f"after {queue.wait_timeout_s}s, step incomplete")  # fmt: skip
+            want = groups_needed(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=dp)
+            self._held += self.consumer.read(want, queue.read_block_ms)
 
     def _broadcast_groups(self, admitted: list[ConsumedGroup]) -> list[TrajectoryGroup]:
         """Every rank gets the step's groups as wire bytes (rank 0 → all): no pickle between ranks either."""
@@ -169,6 +182,7 @@ class LearnerWorker:
             "rollout/reward_mean": float(np.mean(np.concatenate([g.rewards for g in groups]))),
             "rollout/response_length_mean": float(np.mean(lengths)),
             "queue/policy_lag_mean": float(lags.mean()), "queue/policy_lag_max": float(lags.max()),
+            **lag_histogram(groups, self.version - 1),
             "queue/depth": self.consumer.backlog(), "queue/dropped_stale": self.dropped_stale,
             "queue/dead_lettered": self.consumer.dead_lettered, "queue/duplicates_skipped":
                 self.consumer.duplicates_skipped, "queue/wait_s": wait_s,
