@@ -83,8 +83,12 @@ def _check_supported(hf_config: dict[str, Any]) -> None:
         raise ValueError("use_sliding_window: sliding-window attention is not supported")
 
 
-def transformer_config(hf_config: dict[str, Any]) -> TransformerConfig:
-    """Translate a HF config into a Megatron `TransformerConfig` for this process's device."""
+def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    """Translate a HF config into a Megatron `TransformerConfig` for this process's device.
+
+    `params_dtype` float32 (the default) keeps master weights in the model so a plain torch AdamW
+    updates them; bfloat16 computes in bf16 (used by the GPU throughput benchmark).
+    """
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
@@ -105,8 +109,8 @@ def transformer_config(hf_config: dict[str, Any]) -> TransformerConfig:
         attention_dropout=0.0,
         hidden_dropout=0.0,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        # fp32 parameters: a plain torch AdamW updates them directly (no Megatron mixed-precision optimizer).
-        params_dtype=torch.float32,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
         # On CPU the weights must be created on the host; the GPU path allocates them on the device directly.
         use_cpu_initialization=on_cpu,
         # No Transformer Engine / apex on these machines: the local spec's unfused kernels only.
@@ -120,9 +124,9 @@ def transformer_config(hf_config: dict[str, Any]) -> TransformerConfig:
     )
 
 
-def build_gpt_model(hf_config: dict[str, Any]) -> GPTModel:
+def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32) -> GPTModel:
     """Build the (randomly initialised) Megatron GPTModel shard for `hf_config`; see the module docstring."""
-    config = transformer_config(hf_config)
+    config = transformer_config(hf_config, params_dtype)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     # The local spec's DotProductAttention rejects packed sequences; ours attends within each one.
     spec.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
