@@ -31,6 +31,7 @@ updates are lost rather than applied twice. A checkpoint is a point to restart t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,6 +46,8 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from streamrl.config import Config
 
 FORMAT = 1
 CHECKPOINTS_DIR = "checkpoints"
@@ -212,3 +215,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if same_layout:
         _set_rng_state(loaded["rng"])
     return meta
+
+
+def config_hash(config: Config) -> str:
+    """sha256 of the resolved config, recorded in meta.json to tell which configuration wrote a checkpoint."""
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()

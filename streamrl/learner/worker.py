@@ -11,6 +11,7 @@ global norm and applied. Only after every rank has stepped does rank 0 commit (a
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -21,6 +22,7 @@ from streamrl.batching.compose import groups_needed, take_step
 from streamrl.batching.cost import cost_model
 from streamrl.batching.microbatch import plan_rank
 from streamrl.config import Config
+from streamrl.learner import checkpoint
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
 from streamrl.learner.logprobs import microbatch_logprobs, token_logprobs
@@ -64,6 +66,10 @@ class LearnerWorker:
         self.dropped_stale = 0
         self._held: list[ConsumedGroup] = []  # read but not yet in a step (rank 0)
         self.weights: WeightGroup | None = None
+        self.resumed_step = 0  # step of the checkpoint this rank started from (0: a fresh start)
+        root = checkpoint.checkpoint_root(config.run.dir)
+        if config.train.resume and (latest := checkpoint.latest_checkpoint(root)) is not None:
+            self.load_checkpoint(str(latest))
 
     def ready(self) -> int:
         return self.rank
@@ -216,6 +222,23 @@ class LearnerWorker:
         stats = self.weights.publish(version, named, self.config.train.publish_bucket_bytes)
         return {"perf/publish_gbps": stats.gbps, "perf/publish_buckets": stats.buckets,
                 "perf/publish_bytes": stats.bytes}  # fmt: skip
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> str:
+        """All ranks: save model, optimizer, RNG and version as `step` under run.dir/checkpoints; returns the path."""
+        root = checkpoint.checkpoint_root(self.config.run.dir)
+        return str(checkpoint.save_checkpoint(root, step, self.version, self.model, self.optimizer,
+                                              checkpoint.config_hash(self.config)))  # fmt: skip
+
+    def load_checkpoint(self, path: str) -> int:
+        """All ranks: restore what `save_checkpoint` saved at `path` (the layout may differ); returns its step."""
+        meta = checkpoint.load_checkpoint(Path(path), self.model, self.optimizer)
+        self.version, self.resumed_step = meta.version, meta.step
+        return meta.step
+
+    def start_step(self) -> int:
+        """Steps already taken when this rank started: the resumed checkpoint's step, 0 for a fresh start."""
+        return self.resumed_step
 
     def logprobs(self, input_ids: list[int], labels: list[int]) -> list[float]:
         """Log-prob of each label under the current weights (parity checks); all ranks must call it."""

@@ -12,16 +12,22 @@ prompts →  │ engines ──XADD──▶ stream ──XREADGROUP──▶ le
 |-------------------|-----------------------------|-------------------------------|--------------------------------|
 | engine (`run`)    | prompts, current weights    | groups on the stream          | backlog < queue.max_backlog    |
 | learner (`step`)  | groups_per_step groups      | one optimizer step, acks      | groups (queue.wait_timeout_s)  |
-| driver (here)     | step metrics                | publishes every publish_every | steps, publishes (bounded)     |
+| driver (here)     | step metrics                | publishes, checkpoints        | steps, publishes (bounded)     |
 
 Staleness: a token sampled under version v is trained at learner version V with
 `V - v <= max_staleness` (older groups are dropped at admission). Engines run version
 `publish_every * floor(V / publish_every)`, so with a backlog of B groups and G groups per step
 the lag of a consumed group is about `publish_every - 1 + B / G` versions.
+
+Checkpoints (`streamrl.learner.checkpoint`): every `checkpoint_every` steps and after the last one. With
+`train.resume`, learner ranks load `run.dir/checkpoints/latest` at start-up; the driver continues from its step
+and publishes the resumed weights before the first step (engines start on model.path's weights, version 0;
+what they sampled meanwhile is stamped 0 and falls under the staleness rule).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,6 +36,8 @@ from typing import Any
 from streamrl.config import Config, save_resolved
 from streamrl.monitor.run_monitor import RunMonitor
 from streamrl.orchestrate.cluster import Cluster
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,15 +65,39 @@ def publish_weights(cluster: Cluster, version: int) -> dict[str, float]:
     return metrics
 
 
+def start_step(cluster: Cluster) -> int:
+    """The step every learner rank resumed from (its checkpoint's step; 0 for a fresh start)."""
+    steps = cluster.get([rank.start_step.remote() for rank in cluster.learners], 60, "learner start step")
+    if len(set(steps)) != 1:
+        raise RuntimeError(f"learner ranks resumed from different steps: {steps}")
+    return steps[0]
+
+
+def save_checkpoint(cluster: Cluster, step: int) -> dict[str, float]:
+    """Every learner rank writes its part of the checkpoint of `step`; returns checkpoint metrics."""
+    start = time.perf_counter()
+    cluster.get([rank.save_checkpoint.remote(step) for rank in cluster.learners],
+                cluster.config.learner.step_timeout_s, f"checkpoint of step {step}")  # fmt: skip
+    return {"perf/checkpoint_s": time.perf_counter() - start}
+
+
 def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> RunResult:
-    """Drive `train.steps` learner steps on a started cluster, publishing every `publish_every`."""
+    """Drive the learner from its resumed step up to `train.steps`, publishing every `publish_every` and
+    checkpointing every `checkpoint_every` steps and after the last one."""
+    first = start_step(cluster)
+    train = config.train
     monitor = RunMonitor(config, show_progress)
     try:
-        for step in range(1, config.train.steps + 1):
+        if first:  # the engines started from model.path's weights: bring them to the resumed ones first
+            logger.info("resumed from the checkpoint of step %d", first)
+            publish_weights(cluster, first)
+        for step in range(first + 1, train.steps + 1):
             metrics = cluster.learner_step(step)
             # A replaced engine (stale weight group) gets the current weights now, not at the next cadence.
-            if step % config.train.publish_every == 0 or cluster.weight_group_stale:
+            if step % train.publish_every == 0 or cluster.weight_group_stale:
                 metrics.update(publish_weights(cluster, step))
+            if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == train.steps):
+                metrics.update(save_checkpoint(cluster, step))
             metrics.update(cluster.engine_stats())
             monitor.log(step, metrics)
     finally:

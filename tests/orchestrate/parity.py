@@ -30,12 +30,17 @@ def engine_logprobs(cluster: Cluster, config: Config, engine: int = 0) -> np.nda
     return np.array(ray.get(cluster.engines[engine].score.remote(prompt, response), timeout=60))
 
 
-def assert_logprob_parity(cluster: Cluster, config: Config, engine: int = 0) -> None:
-    """The engine's log-probs of a fixed response equal the learner's, token by token."""
+def learner_logprobs(cluster: Cluster, config: Config) -> np.ndarray:
+    """The learner's log-probs of the fixed response (every rank takes part; rank 0's answer)."""
     prompt, response = fixed_sample(config)
     sequence = prompt + response
-    engine_lp = engine_logprobs(cluster, config, engine)
     per_rank = ray.get([r.logprobs.remote(sequence[:-1], sequence[1:]) for r in cluster.learners], timeout=60)
-    learner_lp = np.array(per_rank[0][len(prompt) - 1 :])
-    assert engine_lp.shape == learner_lp.shape == (len(response),)
+    return np.array(per_rank[0][len(prompt) - 1 :])
+
+
+def assert_logprob_parity(cluster: Cluster, config: Config, engine: int = 0) -> None:
+    """The engine's log-probs of a fixed response equal the learner's, token by token."""
+    engine_lp = engine_logprobs(cluster, config, engine)
+    learner_lp = learner_logprobs(cluster, config)
+    assert engine_lp.shape == learner_lp.shape == (len(fixed_sample(config)[1]),)
     np.testing.assert_allclose(engine_lp, learner_lp, atol=PARITY_TOL, rtol=0)

@@ -1,0 +1,41 @@
+"""A job started on a run directory with a checkpoint resumes from it: same weights, its step and version, and
+the engines get the resumed weights before the first step. Job one: 4 steps, checkpoints at 2 and 4. Job two:
+`train.steps=6` and TP=2 on the same run directory, so it must run exactly steps 5 and 6."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamrl.learner.checkpoint import checkpoint_root, latest_checkpoint, step_dir
+from streamrl.orchestrate.cluster import Cluster
+from streamrl.orchestrate.train import prepare_run, run_steps, start_step
+from tests.orchestrate.parity import assert_logprob_parity, learner_logprobs, tiny_config
+
+
+@pytest.mark.slow
+def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
+    common = ("train.checkpoint_every=2", "wandb.mode=disabled")
+    first = tiny_config(tmp_path, "train.steps=4", *common)
+    prepare_run(first)
+    with Cluster(first) as cluster:
+        assert start_step(cluster) == 0
+        assert len(run_steps(cluster, first, show_progress=False).history) == 4
+        saved = learner_logprobs(cluster, first)
+    root = checkpoint_root(first.run.dir)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    assert latest_checkpoint(root) == step_dir(root, 4)
+
+    # Resumed with TP=2 (saved with TP=1). publish_every=2: step 5 publishes nothing, so the engine version it
+    # reports is the resume publish's.
+    second = tiny_config(tmp_path, "train.steps=6", "train.publish_every=2", "learner.tensor_parallel=2", *common)
+    prepare_run(second)
+    with Cluster(second) as cluster:
+        assert start_step(cluster) == 4
+        # Same weights, resharded: only the TP=2 summation order differs.
+        np.testing.assert_allclose(learner_logprobs(cluster, second), saved, atol=1e-5, rtol=0)
+        history = run_steps(cluster, second, show_progress=False).history
+        assert [row["train/policy_version"] for row in history] == [5, 6]
+        assert [row["rollout/engine_version"] for row in history] == [4, 6]
+        assert_logprob_parity(cluster, second)
+    assert latest_checkpoint(root) == step_dir(root, 6)
