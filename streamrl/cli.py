@@ -1,4 +1,5 @@
-"""Command line: `streamrl train -c CONFIG [key.sub=value ...]` and `streamrl init-model OUT`.
+"""Command line: `streamrl train -c CONFIG [key.sub=value ...]`, `streamrl export-hf -c CONFIG --out DIR` and
+`streamrl init-model OUT`.
 
 Imports only the config module up front so `--help` and config errors answer at once; a bad
 config exits with status 2 and a message naming the key.
@@ -23,6 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config and print it fully resolved")
     check.add_argument("-c", "--config", required=True, type=Path)
     check.add_argument("overrides", nargs="*")
+    export = sub.add_parser("export-hf", help="write a learner checkpoint as a HF model directory (safetensors)")
+    export.add_argument("-c", "--config", required=True, type=Path, help="the run's YAML config (run.dir, model.path)")
+    export.add_argument("--out", required=True, type=Path, help="output directory")
+    export.add_argument("--checkpoint", type=Path, help="step directory (default: run.dir/checkpoints/latest)")
+    export.add_argument("overrides", nargs="*")
     init = sub.add_parser("init-model", help="write a random tiny HF model with a character tokenizer")
     init.add_argument("out", type=Path, help="output directory")
     init.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))
@@ -51,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    if args.command == "export-hf":
+        from streamrl.learner.export import export_checkpoint
+
+        print(export_checkpoint(config, args.checkpoint, args.out))
         return 0
     from streamrl.orchestrate.train import train
 

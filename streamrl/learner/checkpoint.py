@@ -153,10 +153,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_world: int | None) -> dict:
-    """What a checkpoint holds, as a dist_checkpointing sharded state dict. `rng_world`: the world size whose
-    per-rank RNG states to include (None: leave RNG out)."""
-    model_state = model.sharded_state_dict()
+def _optimizer_state(model: torch.nn.Module, model_state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """AdamW's state as sharded tensors laid out like their parameters, plus the per-parameter step counts."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sharded_params = get_param_id_to_sharded_param_map(model_state, params)
     names = {p: name for name, p in model.named_parameters()}
@@ -167,7 +165,16 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng
             adam[name][index] = make_sharded_optimizer_tensor(sharded_params[index], state[name], f"optimizer.{name}")
     # The step count is the same on every TP/DP rank, so it is common state, keyed by layout-free parameter names.
     adam_step = {names[p]: int(_adam_state(optimizer, p)["step"].item()) for p in params}
-    out = {"model": model_state, "optimizer": {**adam, "step": adam_step}}
+    return {**adam, "step": adam_step}
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rng_world: int | None) -> dict:
+    """What a checkpoint holds, as a dist_checkpointing sharded state dict; `optimizer` None leaves AdamW's state
+    out, `rng_world` None the RNG states (else: the world size whose per-rank states to include)."""
+    model_state = model.sharded_state_dict()
+    out = {"model": model_state}
+    if optimizer is not None:
+        out["optimizer"] = _optimizer_state(model, model_state, optimizer)
     if rng_world is not None:
         rank = dist.get_rank()
         out["rng"] = ShardedObject("rng_state", _rng_state(), (rng_world,), (rank,), replica_id=0)
@@ -195,24 +202,26 @@ def save_checkpoint(root: Path, step: int, version: int, model: torch.nn.Module,
     return path
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointMeta:
-    """Collective: load model weights, AdamW state and (same layout only) RNG states saved at `path`."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> CheckpointMeta:
+    """Collective: load the model weights saved at `path`; with an `optimizer` also AdamW's state and (same
+    layout only) the RNG states, i.e. everything to continue training. Without one: the weights alone (export)."""
     meta = read_meta(path)
     layout = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_data_parallel_world_size())
-    same_layout = (meta.tensor_parallel, meta.data_parallel) == layout
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, dist.get_world_size() if same_layout else None),
-                                     str(path / _DIST))  # fmt: skip
+    restore_rng = optimizer is not None and (meta.tensor_parallel, meta.data_parallel) == layout
+    state = _sharded_state(model, optimizer, dist.get_world_size() if restore_rng else None)
+    loaded = dist_checkpointing.load(state, str(path / _DIST))
     if (loaded["step"], loaded["version"]) != (meta.step, meta.version):
         raise CheckpointError(f"{path / META}: fields 'step'/'version' are {meta.step}/{meta.version} but the saved "
                               f"state has {loaded['step']}/{loaded['version']}")  # fmt: skip
     model.load_state_dict(loaded["model"])
-    names = {p: name for name, p in model.named_parameters()}
-    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        state = optimizer.state[param]  # created by _sharded_state
-        for name in _ADAM_STATES:
-            state[name].copy_(loaded["optimizer"][name][index])
-        state["step"].fill_(loaded["optimizer"]["step"][names[param]])
-    if same_layout:
+    if optimizer is not None:
+        names = {p: name for name, p in model.named_parameters()}
+        for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+            adam = optimizer.state[param]  # created by _sharded_state
+            for name in _ADAM_STATES:
+                adam[name].copy_(loaded["optimizer"][name][index])
+            adam["step"].fill_(loaded["optimizer"]["step"][names[param]])
+    if restore_rng:
         _set_rng_state(loaded["rng"])
     return meta
 

@@ -6,6 +6,9 @@ the world writes `out_dir`, which then loads with `transformers.AutoModelForCaus
 with vLLM. The tokenizer and generation files of `tokenizer_dir` (the original model directory) are copied
 along. Weights keep the parameters' dtype (fp32: lossless) unless `dtype` is given; config.json records it.
 Rank 0 holds one full copy of the weights while writing (a single safetensors file).
+
+`export_checkpoint(config, checkpoint_dir, out_dir)` does the same for a saved learner checkpoint of any layout,
+in this one process (a world of one rank); `streamrl export-hf` calls it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from streamrl.config import Config
+from streamrl.learner.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint, load_checkpoint
 from streamrl.learner.convert import stream_hf_weights
+from streamrl.learner.model import build_gpt_model
+from streamrl.learner.parallel import destroy_parallel, init_parallel
+from streamrl.net import free_port
 
 # Files of a HF model directory that describe tokenisation and generation rather than weights.
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -46,3 +54,20 @@ def export_hf(model: torch.nn.Module, hf_config: dict[str, Any], out_dir: Path, 
             for file in tokenizer_dir.glob(pattern):
                 shutil.copy2(file, out_dir / file.name)
     dist.barrier()  # the export is complete when any rank returns
+
+
+def export_checkpoint(config: Config, checkpoint_dir: Path | None, out_dir: Path) -> Path:
+    """Export the checkpoint at `checkpoint_dir` (default: the run's latest) as a HF model in `out_dir`."""
+    if checkpoint_dir is None:
+        checkpoint_dir = latest_checkpoint(checkpoint_root(config.run.dir))
+        if checkpoint_dir is None:
+            raise CheckpointError(f"{checkpoint_root(config.run.dir) / 'latest'}: missing (no completed checkpoint)")
+    init_parallel(0, 1, 1, "127.0.0.1", free_port(), config.learner.collective_timeout_s, config.run.seed)
+    try:
+        hf_config = json.loads((config.model.path / "config.json").read_text())
+        model = build_gpt_model(hf_config)
+        load_checkpoint(checkpoint_dir, model, optimizer=None)
+        export_hf(model, hf_config, out_dir, config.model.path)
+    finally:
+        destroy_parallel()
+    return out_dir

@@ -1,18 +1,25 @@
-"""A trained Megatron model exported as a HF checkpoint loads in transformers and scores like the learner."""
+"""A trained Megatron model exported as a HF checkpoint loads in transformers and scores like the learner;
+`streamrl export-hf` writes a saved learner checkpoint's weights exactly."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.checkpoint import save_checkpoint
+from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.export import export_hf
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.model import build_gpt_model
 
 SEQ = 20
+TINY_CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
 
 def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -20,16 +27,22 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], torch.arange(SEQ).repeat(2, 1), tokens[:, 1:]
 
 
+def _trained(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    """The tiny model after one AdamW step: an export must carry trained weights, not the original file's."""
+    hf_config, hf_state = load_hf_checkpoint(model_dir)
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, hf_state, hf_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (-token_logprobs(model, *_batch(hf_config["vocab_size"])).mean()).backward()
+    optimizer.step()
+    return model, optimizer, hf_config
+
+
 def test_export_hf_round_trip(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_config, hf_state = load_hf_checkpoint(tiny_model_dir)
-    model = build_gpt_model(hf_config)
-    load_hf_weights(model, hf_state, hf_config)
+    model, _, hf_config = _trained(tiny_model_dir)
     ids, positions, labels = _batch(hf_config["vocab_size"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    (-token_logprobs(model, ids, positions, labels).mean()).backward()
-    optimizer.step()  # the export must carry trained weights, not the original file's
     model.eval()
     with torch.no_grad():
         expected = token_logprobs(model, ids, positions, labels)
@@ -46,3 +59,19 @@ def test_export_hf_round_trip(tp1_world: None, tiny_model_dir: Path, tmp_path: P
     assert not torch.equal(hf_model.lm_head.weight, original)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.decode(tokenizer.encode("#*@", add_special_tokens=False)) == "#*@"
+
+
+def test_export_hf_cli_writes_the_latest_checkpoint(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
+    model, optimizer, hf_config = _trained(tiny_model_dir)
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, 1, model, optimizer, config_hash="test")
+    expected = {name: tensor.clone() for name, tensor in stream_hf_weights(model, hf_config)}
+    out = tmp_path / "hf"
+    command = [sys.executable, "-m", "streamrl.cli", "export-hf", "-c", str(TINY_CONFIG), "--out", str(out),
+               f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith(str(out))
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[name], expected[name]) for name in expected)
