@@ -72,9 +72,13 @@ class PackedSequenceAttention(MegatronModule):
         return self._packed(query, key, value, packed_seq_params.cu_seqlens_q)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **mask: object) -> torch.Tensor:
-        # [..., heads, L, d]; GQA lets SDPA broadcast each kv head over its query heads without copies.
-        gqa = query.shape[-3] != key.shape[-3]
-        return F.scaled_dot_product_attention(query, key, value, scale=self.softmax_scale, enable_gqa=gqa, **mask)
+        # [B, heads, L, d]. K/V heads are repeated over their query groups rather than passed with
+        # enable_gqa: the fused GPU kernels (flash / memory-efficient) do not take it, and the math
+        # fallback materialises the L x L scores (8 GiB for one 8k sequence of a 32-head model).
+        groups = query.shape[-3] // key.shape[-3]
+        if groups > 1:
+            key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
+        return F.scaled_dot_product_attention(query, key, value, scale=self.softmax_scale, **mask)
 
     def _packed(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
@@ -84,7 +88,8 @@ class PackedSequenceAttention(MegatronModule):
             raise ValueError(f"cu_seqlens: must run from 0 to the packed length {query.shape[0]}, got {bounds}")
         # One SDPA call per sequence: exact, O(sum L^2) memory, and the fused kernels apply on GPU.
         outputs = [
-            self._attend(*(t[start:end].transpose(0, 1) for t in (query, key, value)), is_causal=True).transpose(0, 1)
+            self._attend(*(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True)[0]
+            .transpose(0, 1)
             for start, end in zip(bounds[:-1], bounds[1:], strict=True)
         ]
         return torch.cat(outputs).reshape(query.shape[0], -1)
