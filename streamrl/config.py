@@ -78,6 +78,13 @@ class LearnerConfig(_Section):
 class LossConfig(_Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range around the proximal policy ratio.")
     importance_cap: float = Field(2.0, ge=1.0, description="C in the truncated IS weight min(pi_old/pi_behav, C).")
+    policy_loss: Literal["tis", "mis", "decoupled", "ppo_behaviour"] = Field(
+        "tis", description="Off-policy correction: truncated IS, masked IS, AReaL decoupled PPO, or plain PPO on "
+        "the behaviour log-probs (see streamrl/loss/importance.py)."
+    )
+    importance_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance ratio per token, or per sequence (product over its tokens)."
+    )
     normalization: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="Loss average over all response tokens or all sequences of the global step."
     )

@@ -121,8 +121,10 @@ class LearnerWorker:
         weight = as_t(mb.loss_weight)
         # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
         # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.
+        loss = self.config.loss
         return policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), weight,
-                           self.config.loss.clip_eps, self.config.loss.importance_cap)  # fmt: skip
+                           loss.clip_eps, loss.importance_cap, loss.policy_loss, loss.importance_level,
+                           as_t(mb.cu_seqlens))  # fmt: skip
 
     def _clip_and_reduce_grads(self) -> float:
         allreduce_tp_partial_grads(self.model)

@@ -1,9 +1,11 @@
-"""GRPO advantages and the PPO-clip policy loss with a truncated importance weight.
+"""GRPO advantages and the PPO-clip policy loss with an off-policy importance weight.
 
 Per response token t (all tensors [B, S], zero outside response tokens):
     ratio_t  = exp(logp_t - logp_old_t)                  # current vs proximal policy
     w_t      = min(exp(logp_old_t - logp_behav_t), C)    # truncated IS: proximal vs behaviour (stale engine)
     loss_t   = -w_t * min(ratio_t * A, clip(ratio_t, 1-eps, 1+eps) * A)
+`w_t` above is the default `tis` variant; `streamrl.loss.importance` has the others (masked IS,
+AReaL's decoupled PPO, plain PPO against the behaviour policy) at token or sequence level.
 The step loss is sum_t loss_t * loss_weight_t, where `loss_weight` already divides by the size of
 the whole global step (tokens or sequences), so summing micro-batches and data-parallel ranks gives
 the exact step loss whatever the packing (invariant 6).
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from streamrl.loss.importance import importance_weights
 
 
 def grpo_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -29,7 +33,7 @@ class PolicyLossStats:
 
     tokens: float  # response tokens seen
     clipped: float  # tokens whose PPO ratio left [1-eps, 1+eps]
-    truncated: float  # tokens whose importance weight hit the cap C
+    truncated: float  # tokens whose importance weight was truncated (tis) or masked (mis) at the cap C
     importance_weight: float  # sum of truncated importance weights
     behaviour_kl: float  # sum of (logp_behav - logp_old): k1 estimate of KL(behaviour || learner)
 
@@ -42,12 +46,17 @@ def policy_loss(
     loss_weight: torch.Tensor,
     clip_eps: float,
     importance_cap: float,
+    variant: str = "tis",
+    level: str = "token",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """Scalar loss contribution of one micro-batch and its statistics."""
+    """Scalar loss contribution of one micro-batch and its statistics (`variant`/`level`: see importance.py)."""
     mask = loss_weight > 0
-    ratio = torch.exp(logp - logp_old)
+    # Plain PPO treats the (stale) behaviour policy as the old policy; the others clip around the proximal one.
+    anchor = logp_behaviour if variant == "ppo_behaviour" else logp_old
+    ratio = torch.exp(logp - anchor.detach())
     log_w = (logp_old - logp_behaviour).detach()
-    importance = torch.exp(log_w).clamp(max=importance_cap)
+    importance, capped = importance_weights(log_w, mask, variant, importance_cap, level, cu_seqlens)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
     per_token = -importance * torch.minimum(unclipped, clipped)
@@ -57,7 +66,7 @@ def policy_loss(
         stats = PolicyLossStats(
             tokens=float(maskf.sum()),
             clipped=float((((ratio - 1.0).abs() > clip_eps).float() * maskf).sum()),
-            truncated=float(((log_w > np.log(importance_cap)).float() * maskf).sum()),
+            truncated=float((capped.float() * maskf).sum()),
             importance_weight=float((importance * maskf).sum()),
             behaviour_kl=float(((logp_behaviour - logp_old) * maskf).sum()),
         )
