@@ -38,7 +38,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from streamrl.config import Config
+if TYPE_CHECKING:  # the config module needs pydantic, which a learner-only install may lack
+    from streamrl.config import Config
+
 
 FORMAT = 1
 CHECKPOINTS_DIR = "checkpoints"

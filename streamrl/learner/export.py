@@ -16,18 +16,20 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from streamrl.config import Config
 from streamrl.learner.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint, load_checkpoint
 from streamrl.learner.convert import stream_hf_weights
 from streamrl.learner.model import build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.net import free_port
+
+if TYPE_CHECKING:  # the config module needs pydantic, which a learner-only install may lack
+    from streamrl.config import Config
 
 # Files of a HF model directory that describe tokenisation and generation rather than weights.
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -41,7 +43,7 @@ def export_hf(model: torch.nn.Module, hf_config: dict[str, Any], out_dir: Path, 
     weights: dict[str, torch.Tensor] = {}
     for name, tensor in stream_hf_weights(model, hf_config):
         if writer:  # the others only drive the TP gathers
-            weights[name] = tensor.to(dtype or tensor.dtype).contiguous().clone()
+            weights[name] = tensor.to("cpu", dtype or tensor.dtype, copy=True).contiguous()
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -45,7 +45,7 @@ def test_export_hf_round_trip(tp1_world: None, tiny_model_dir: Path, tmp_path: P
     ids, positions, labels = _batch(hf_config["vocab_size"])
     model.eval()
     with torch.no_grad():
-        expected = token_logprobs(model, ids, positions, labels)
+        expected = token_logprobs(model, ids, positions, labels).cpu()  # the model may be on a GPU
 
     out = tmp_path / "hf"
     export_hf(model, hf_config, out, tiny_model_dir)
@@ -64,7 +64,7 @@ def test_export_hf_round_trip(tp1_world: None, tiny_model_dir: Path, tmp_path: P
 def test_export_hf_cli_writes_the_latest_checkpoint(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
     model, optimizer, hf_config = _trained(tiny_model_dir)
     save_checkpoint(tmp_path / "run" / "checkpoints", 1, 1, model, optimizer, config_hash="test")
-    expected = {name: tensor.clone() for name, tensor in stream_hf_weights(model, hf_config)}
+    expected = {name: tensor.cpu().clone() for name, tensor in stream_hf_weights(model, hf_config)}
     out = tmp_path / "hf"
     command = [sys.executable, "-m", "streamrl.cli", "export-hf", "-c", str(TINY_CONFIG), "--out", str(out),
                f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}"]  # fmt: skip
