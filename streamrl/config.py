@@ -148,6 +148,9 @@ class TrainConfig(_Section):
     publish_every: int = Field(1, ge=1, description="Publish weights to the engines every this many steps.")
     publish_bucket_bytes: int = Field(16 << 20, gt=0, description="Payload bytes per weight bucket.")
     publish_timeout_s: float = Field(120.0, gt=0, description="Bound on one publish reaching every engine.")
+    publish_lag: int = Field(
+        0, ge=0, description="Ablation only: publish the weights of this many steps ago (keeps as many copies)."
+    )
     checkpoint_every: int = Field(
         50, ge=0, description="Save a learner checkpoint (run.dir/checkpoints) every this many steps and at the "
         "end; 0 saves none."

@@ -11,6 +11,7 @@ global norm and applied. Only after every rank has stepped does rank 0 commit (a
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 
 import msgpack
@@ -66,6 +67,7 @@ class LearnerWorker:
         self.dropped_stale = 0
         self._held: list[ConsumedGroup] = []  # read but not yet in a step (rank 0)
         self.weights: WeightGroup | None = None
+        self._past_versions: deque[tuple[int, list[tuple[str, torch.Tensor]]]] = deque()  # train.publish_lag
         self.resumed_step = 0  # step of the checkpoint this rank started from (0: a fresh start)
         root = checkpoint.checkpoint_root(config.run.dir)
         if config.train.resume and (latest := checkpoint.latest_checkpoint(root)) is not None:
@@ -212,9 +214,17 @@ class LearnerWorker:
 
     def publish(self, version: int) -> dict[str, float]:
         """All ranks stream the model in HF names (TP shards gathered, cast to the engine dtype);
-        rank 0 sends it bucket by bucket to every engine. Never materialises the whole model."""
+        rank 0 sends it bucket by bucket to every engine. Never materialises the whole model, except
+        with `train.publish_lag` (an ablation knob) which keeps that many past versions to send instead."""
         dtype = _DTYPES[self.config.rollout.dtype]
         named = ((name, tensor.to(dtype)) for name, tensor in stream_hf_weights(self.model, self.hf_config))
+        lag = self.config.train.publish_lag
+        if lag:
+            self._past_versions.append((version, [(name, tensor.clone()) for name, tensor in named]))
+            while len(self._past_versions) > lag + 1:
+                self._past_versions.popleft()
+            version, past = self._past_versions[0]
+            named = iter(past)
         if self.rank != 0:
             for _ in named:  # drive the TP gathers this rank takes part in
                 pass
@@ -223,7 +233,7 @@ class LearnerWorker:
             raise RuntimeError("learner: publish before open_weight_group")
         stats = self.weights.publish(version, named, self.config.train.publish_bucket_bytes)
         return {"perf/publish_gbps": stats.gbps, "perf/publish_buckets": stats.buckets,
-                "perf/publish_bytes": stats.bytes}  # fmt: skip
+                "perf/publish_bytes": stats.bytes, "train/published_version": version}  # fmt: skip
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> str:

@@ -121,9 +121,10 @@ class Cluster:
                     raise RuntimeError(f"publish of version {version} failed and no engine was found dead") from exc
                 logger.warning("publish of version %d hit a dead engine; retrying (%s)", version, exc)
                 continue
-            if any(v != version for v in running):
-                raise RuntimeError(f"publish of version {version}: engines report versions {running}")
-            self.announce_version(version)
+            published = int(stats["train/published_version"])  # older than `version` under train.publish_lag
+            if any(v != published for v in running):
+                raise RuntimeError(f"publish of version {published}: engines report versions {running}")
+            self.announce_version(published)
             return stats
         raise AssertionError("unreachable: the second attempt returns or raises")
 
