@@ -25,8 +25,9 @@ A directory without meta.json (a crash mid-save) is never pointed to by `latest`
 
 Exactly-once: groups are acked in Redis, and their ids recorded, right after the optimizer step that trained
 them (`TrajectoryConsumer.commit`), not at checkpoint time. Resuming from a checkpoint older than the last step
-therefore does not retrain the groups of the steps after it: they are skipped as already trained, and those
-updates are lost rather than applied twice. A checkpoint is a point to restart the model from, not a replay log.
+therefore does not retrain the groups of the steps after it: they were acked and are not delivered again (a
+redelivery would be skipped by its recorded id), so those updates are lost rather than applied twice. A
+checkpoint is a point to restart the model from, not a replay log.
 """
 
 from __future__ import annotations
