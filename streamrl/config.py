@@ -70,9 +70,21 @@ class RolloutConfig(_Section):
 class LearnerConfig(_Section):
     tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size.")
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x DP.")
+    expert_parallel: int = Field(
+        1, ge=1, description="Megatron expert-parallel size for MoE models: the experts are split over this many "
+        "ranks (an expert is never split by TP); they come out of the TP x DP world, so it must divide TP x DP."
+    )  # fmt: skip
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
     collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
     step_timeout_s: float = Field(600.0, gt=0, description="Bound on one learner step seen from the driver.")
+
+    @model_validator(mode="after")
+    def _experts_split_the_world(self) -> LearnerConfig:
+        world = self.tensor_parallel * self.data_parallel
+        if world % self.expert_parallel:
+            raise ValueError(f"learner.expert_parallel: {self.expert_parallel} does not divide the learner world size "
+                             f"{world} (tensor_parallel x data_parallel)")  # fmt: skip
+        return self
 
 
 class LossConfig(_Section):

@@ -1,8 +1,10 @@
 """torch.distributed + Megatron model-parallel setup for one learner process.
 
 Contract: every learner rank calls `init_parallel(...)` once with the same `world_size`, `tensor_parallel`,
-`master_addr`, `master_port`, `timeout_s` and `seed`; afterwards Megatron's `parallel_state` holds the
-tensor-parallel groups (the remaining factor of `world_size` is data parallel) and the model-parallel RNG
+`master_addr`, `master_port`, `timeout_s`, `seed` and `expert_parallel`; afterwards Megatron's `parallel_state`
+holds the tensor-parallel groups (the remaining factor of `world_size` is data parallel), the expert-parallel
+groups (`expert_parallel` ranks split a MoE model's experts; they are carved out of the data-parallel x
+tensor-parallel ranks with expert tensor parallelism 1, see `streamrl.learner.moe`) and the model-parallel RNG
 tracker is seeded, so `streamrl.learner.model.build_gpt_model` can run. The backend is NCCL when CUDA is
 available and gloo otherwise (with the CPU patches of `streamrl.learner.cpu_compat`). Every collective,
 including the rendezvous, fails after `timeout_s` instead of hanging. `destroy_parallel()` undoes it all and is
@@ -30,10 +32,14 @@ def init_parallel(
     master_port: int,
     timeout_s: float,
     seed: int,
+    expert_parallel: int = 1,
 ) -> None:
     """Initialise torch.distributed, Megatron's model-parallel groups and the model-parallel RNG seed."""
     if tensor_parallel < 1 or world_size % tensor_parallel:
         raise ValueError(f"tensor_parallel: {tensor_parallel} must be >= 1 and divide world_size {world_size}")
+    # Experts are whole on each rank (expert TP 1), so any divisor of the world can split them.
+    if expert_parallel < 1 or world_size % expert_parallel:
+        raise ValueError(f"expert_parallel: {expert_parallel} must be >= 1 and divide world_size {world_size}")
     if dist.is_initialized():
         raise RuntimeError("init_parallel: torch.distributed is already initialised; call destroy_parallel first")
     apply_cpu_compat()
@@ -51,6 +57,8 @@ def init_parallel(
     )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=1,
         # Megatron's groups get the same bound as the default group (it converts minutes to a timedelta).
         distributed_timeout_minutes=timeout_s / 60.0,
         # The extra gloo groups serve Megatron's distributed optimizer / checkpointing, neither of which we use.

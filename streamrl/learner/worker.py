@@ -49,7 +49,7 @@ class LearnerWorker:
         torch.set_num_threads(1)  # ranks share the machine's cores with the engines
         apply_cpu_compat()
         init_parallel(rank, world_size, config.learner.tensor_parallel, master_addr, master_port,
-                      config.learner.collective_timeout_s, config.run.seed)  # fmt: skip
+                      config.learner.collective_timeout_s, config.run.seed, config.learner.expert_parallel)  # fmt: skip
         self.ps = parallel_state
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
         self.model = build_gpt_model(self.hf_config)
