@@ -15,7 +15,7 @@ from streamrl.config import Config
 
 
 class RunMonitor:
-    def __init__(self, config: Config, show_progress: bool = True):
+    def __init__(self, config: Config, show_progress: bool = True, first_step: int = 0):
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -25,7 +25,8 @@ class RunMonitor:
             dir=str(config.run.dir.resolve()), config=config.model_dump(mode="json"),
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )  # fmt: skip
-        self.bar = tqdm(total=self.steps, desc="train", unit="step", disable=not show_progress, dynamic_ncols=True)
+        self.bar = tqdm(total=self.steps, initial=first_step, desc="train", unit="step", disable=not show_progress,
+                        dynamic_ncols=True)  # fmt: skip
         self.history: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -86,7 +86,7 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
     checkpointing every `checkpoint_every` steps and after the last one."""
     first = start_step(cluster)
     train = config.train
-    monitor = RunMonitor(config, show_progress)
+    monitor = RunMonitor(config, show_progress, first_step=first)
     try:
         if first:  # the engines started from model.path's weights: bring them to the resumed ones first
             logger.info("resumed from the checkpoint of step %d", first)
