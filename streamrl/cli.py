@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
+from streamrl.models.tiny import ARCHS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("overrides", nargs="*")
     init = sub.add_parser("init-model", help="write a random tiny HF model with a character tokenizer")
     init.add_argument("out", type=Path, help="output directory")
-    init.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))
+    init.add_argument("--arch", default="qwen3", choices=ARCHS)
     init.add_argument("--preset", default="tiny", choices=("tiny", "small"))
     init.add_argument("--seed", type=int, default=0)
     return parser

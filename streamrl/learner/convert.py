@@ -1,14 +1,17 @@
 """HuggingFace <-> Megatron-core weight conversion for the models `streamrl.learner.model` builds.
 
 Contract (all conversions are pure reindexing - views, cat, chunk - so a round trip is bit-exact):
-- `hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)` returns this tensor-parallel rank's shard of every
-  Megatron parameter, keyed by the `GPTModel.state_dict()` names (no `_extra_state`), ready for
-  `model.load_state_dict(..., strict=False)`.
-- `megatron_to_hf(mcore_state, hf_config)` takes FULL (unsharded) Megatron tensors and yields HF
-  `(name, tensor)` pairs tensor by tensor; each Megatron tensor converts on its own, so a lazy mapping or the
-  stream of `gather_tp_shards` never materialises more than one fused tensor at a time.
-- `gather_tp_shards(model, tp_group)` yields each parameter's full tensor (all-gathering TP shards, a
-  collective every rank of the group must drive in the same order); `stream_hf_weights` chains the two.
+- `hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, ep_rank, ep_size)` returns this tensor- and
+  expert-parallel rank's shard of every Megatron parameter, keyed by the `GPTModel.state_dict()` names (no
+  `_extra_state`), ready for `model.load_state_dict(..., strict=False)`.
+- `megatron_to_hf(mcore_state, hf_config)` takes FULL Megatron tensors (unsharded, and named as at EP=1: expert
+  e is `local_experts.e`) and yields HF `(name, tensor)` pairs tensor by tensor; each Megatron tensor converts on
+  its own, so a lazy mapping or the stream of `gather_tp_shards` never materialises more than one fused tensor
+  at a time.
+- `gather_tp_shards(model, tp_group, ep_group)` yields each parameter's full tensor under its full name,
+  all-gathering TP shards over the TP group and each expert-parallel rank's experts over the EP group: a
+  collective every rank must drive in the same order, after which every rank has seen every tensor exactly once.
+  `stream_hf_weights` chains the two.
 - `load_hf_weights(model, hf_state, hf_config)` loads this rank's shard into a built model.
 - `load_hf_checkpoint(path)` reads `config.json` and every `*.safetensors` file.
 
@@ -18,6 +21,11 @@ into `linear_fc1` = cat(gate, up). Tensor-parallel sharding (kinds below): colum
 plain dim-0 chunk because whole groups are contiguous; `linear_fc1` is cat(gate_shard, up_shard); the
 vocab-parallel embedding / output layer split dim 0; row-parallel `linear_proj` / `linear_fc2` split dim 1;
 norms are replicated.
+
+Mixture of experts (Qwen3-MoE): the router `mlp.router.weight` is HF's `mlp.gate.weight`, replicated. Expert e's
+`linear_fc1` = cat(`experts.e.gate_proj`, `experts.e.up_proj`) and `linear_fc2` = `experts.e.down_proj`; experts
+are whole on every rank that holds them (expert TP 1, see `streamrl.learner.moe`), and EP rank r holds global
+experts r*E/EP .. (r+1)*E/EP - 1 as `local_experts.0..`.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file
 from torch import Tensor
 
-from streamrl.learner.model import has_qk_layernorm, has_qkv_bias, head_dim, num_query_groups
+from streamrl.learner.model import has_qk_layernorm, has_qkv_bias, head_dim, is_expert_parameter, num_query_groups
+from streamrl.learner.moe import num_experts
 
 # Sharding kinds: how a full tensor splits across tensor-parallel ranks.
 REPLICATED, COLUMN, ROW, GLU = "replicated", "column", "row", "glu"
@@ -60,6 +69,13 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], str]] = {
 }
 _QKV_BIAS = "self_attention.linear_qkv.bias"  # Qwen2 only
 _QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")  # replaced by the router and experts in MoE layers
+_ROUTER = "mlp.router.weight"
+_EXPERT_MAP: dict[str, tuple[str, ...]] = {  # per-expert Megatron suffix -> HF per-expert suffixes (fused order)
+    "linear_fc1.weight": ("gate_proj.weight", "up_proj.weight"),
+    "linear_fc2.weight": ("down_proj.weight",),
+}
+_EXPERT_RE = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GLOBAL_MAP: dict[str, tuple[tuple[str, ...], str]] = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), COLUMN),
     "decoder.final_layernorm.weight": (("model.norm.weight",), REPLICATED),
@@ -76,14 +92,29 @@ def _lookup(name: str) -> tuple[list[str], str]:
         hf_names, kind = _GLOBAL_MAP[name]
         return list(hf_names), kind
     match = _LAYER_RE.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_MAP:
+    if match is None:
         raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
-    hf_suffixes, kind = _LAYER_MAP[match.group(2)]
-    return [f"model.layers.{match.group(1)}.{suffix}" for suffix in hf_suffixes], kind
+    prefix, suffix = f"model.layers.{match.group(1)}", match.group(2)
+    if suffix == _ROUTER:
+        return [f"{prefix}.mlp.gate.weight"], REPLICATED
+    expert = _EXPERT_RE.fullmatch(suffix)
+    if expert is not None and expert.group(2) in _EXPERT_MAP:
+        return [f"{prefix}.mlp.experts.{expert.group(1)}.{part}" for part in _EXPERT_MAP[expert.group(2)]], REPLICATED
+    if suffix not in _LAYER_MAP:
+        raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
+    hf_suffixes, kind = _LAYER_MAP[suffix]
+    return [f"{prefix}.{hf_suffix}" for hf_suffix in hf_suffixes], kind
 
 
-def megatron_names(hf_config: dict[str, Any]) -> list[str]:
-    """The Megatron parameter names `build_gpt_model(hf_config)` has, in `state_dict` order."""
+def _global_expert_name(name: str, first_expert: int) -> str:
+    """The full-model name of a parameter whose name carries a local expert index (others unchanged)."""
+    return re.sub(r"(?<=\.local_experts\.)(\d+)(?=\.)", lambda m: str(first_expert + int(m.group(1))), name)
+
+
+def megatron_names(hf_config: dict[str, Any], ep_size: int = 1) -> list[str]:
+    """The Megatron parameter names `build_gpt_model(hf_config)` has at expert parallelism `ep_size`, in
+    `state_dict` order (expert indices are local, so at EP=1 they are the global ones)."""
+    experts = num_experts(hf_config)
     names = ["embedding.word_embeddings.weight"]
     for i in range(hf_config["num_hidden_layers"]):
         for suffix in _LAYER_MAP:
@@ -91,7 +122,13 @@ def megatron_names(hf_config: dict[str, Any]) -> list[str]:
                 continue
             if suffix in _QK_NORMS and not has_qk_layernorm(hf_config):
                 continue
+            if suffix in _DENSE_MLP and experts:
+                continue
             names.append(f"decoder.layers.{i}.{suffix}")
+        if experts:
+            names.append(f"decoder.layers.{i}.{_ROUTER}")
+            names += [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{suffix}"
+                      for e in range(experts // ep_size) for suffix in _EXPERT_MAP]  # fmt: skip
     names.append("decoder.final_layernorm.weight")
     if not hf_config.get("tie_word_embeddings", False):
         names.append("output_layer.weight")
@@ -153,32 +190,44 @@ def _unshard(shards: list[Tensor], kind: str) -> Tensor:
     return torch.cat(shards, dim=0 if kind == COLUMN else 1)
 
 
-def _check_divisible(hf_config: dict[str, Any], tp_size: int) -> None:
-    for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
+def _check_divisible(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> None:
+    # Experts are never TP-sharded, so a MoE model's (unused) dense intermediate_size need not divide.
+    fields = ("num_attention_heads", "vocab_size") + (() if num_experts(hf_config) else ("intermediate_size",))
+    for field in fields:
         if hf_config[field] % tp_size:
             raise ValueError(f"{field}: {hf_config[field]} is not divisible by tensor parallel size {tp_size}")
     if num_query_groups(hf_config) % tp_size:
         raise ValueError(f"num_key_value_heads: {num_query_groups(hf_config)} not divisible by TP size {tp_size}")
+    if ep_size > 1 and num_experts(hf_config) % ep_size:
+        raise ValueError(f"num_experts: {num_experts(hf_config)} is not divisible by expert parallel size {ep_size}")
 
 
 def hf_to_megatron(
-    hf_state: Mapping[str, Tensor], hf_config: dict[str, Any], tp_rank: int = 0, tp_size: int = 1
+    hf_state: Mapping[str, Tensor],
+    hf_config: dict[str, Any],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, Tensor]:
-    """This TP rank's shard of every Megatron parameter, from a full HF state dict (see module docstring)."""
+    """This TP and EP rank's shard of every Megatron parameter, from a full HF state dict (see module docstring)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
-    _check_divisible(hf_config, tp_size)
-    used: set[str] = set()
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank: {ep_rank} outside [0, {ep_size})")
+    _check_divisible(hf_config, tp_size, ep_size)
+    first_expert = ep_rank * num_experts(hf_config) // ep_size
     out: dict[str, Tensor] = {}
-    for name in megatron_names(hf_config):
-        hf_names, kind = _lookup(name)
+    for name in megatron_names(hf_config, ep_size):
+        hf_names, kind = _lookup(_global_expert_name(name, first_expert))
         missing = [n for n in hf_names if n not in hf_state]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {name!r}")
-        used.update(hf_names)
         out[name] = _shard(_fuse(name, [hf_state[n] for n in hf_names], hf_config), kind, tp_rank, tp_size)
+    # Every HF tensor of the model, including the experts other EP ranks load.
+    known = {hf_name for name in megatron_names(hf_config) for hf_name in _lookup(name)[0]}
     # A tied checkpoint may still store lm_head.weight (a copy of the embedding); the model has no slot for it.
-    leftover = {n for n in hf_state if n not in used and not _IGNORED_HF.fullmatch(n)}
+    leftover = {n for n in hf_state if n not in known and not _IGNORED_HF.fullmatch(n)}
     if hf_config.get("tie_word_embeddings", False):
         leftover.discard("lm_head.weight")
     if leftover:
@@ -187,12 +236,14 @@ def hf_to_megatron(
 
 
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_config: dict[str, Any]) -> None:
-    """Copy a full HF state dict into this rank's Megatron model shard (TP rank/size from `parallel_state`)."""
+    """Copy a full HF state dict into this rank's Megatron model shard (TP/EP rank and size from `parallel_state`)."""
     shard = hf_to_megatron(
         hf_state,
         hf_config,
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_world_size(),
     )
     # Non-strict only because `_extra_state` entries (Transformer Engine FP8 metadata slots) have no HF source.
     result = model.load_state_dict(shard, strict=False)
@@ -210,19 +261,32 @@ def megatron_to_hf(mcore_state: Mapping[str, Tensor], hf_config: dict[str, Any])
         yield from zip(hf_names, _split(name, full, hf_config), strict=True)
 
 
-def gather_tp_shards(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, Tensor]]:
-    """Yield each parameter's full tensor, all-gathering its TP shards over `tp_group`.
+def gather_tp_shards(
+    model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield each parameter's full tensor under its full name, all-gathering TP shards and EP ranks' experts.
 
-    A collective: every rank of `tp_group` must consume the generator to the end, in lockstep. `tp_group`
-    defaults to Megatron's tensor-parallel group. Replicated tensors (and everything at TP=1) are yielded as
-    detached views of the live parameters, so copy them before the next optimizer step if they must persist.
+    A collective: every rank of `tp_group` and `ep_group` (Megatron's tensor- and expert-parallel groups by
+    default) must consume the generator to the end, in lockstep. Each local expert parameter is all-gathered over
+    the EP group and yielded once per EP rank (global experts j, E/EP + j, ...), so every rank yields every
+    tensor exactly once. Replicated tensors (and everything at TP=1, EP=1) are yielded as detached views of the
+    live parameters, so copy them before the next optimizer step if they must persist.
     """
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = dist.get_world_size(tp_group)
+    if ep_group is None:
+        ep_group = parallel_state.get_expert_model_parallel_group()
+    tp_size, ep_size = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
+    local_experts = (getattr(model.config, "num_moe_experts", None) or 0) // ep_size
     for name, param in model.named_parameters():
         _, kind = _lookup(name)
         local = param.detach()
+        if is_expert_parameter(name) and ep_size > 1:  # experts are whole (expert TP 1): only EP splits them
+            parts = [torch.empty_like(local) for _ in range(ep_size)]
+            dist.all_gather(parts, local.contiguous(), group=ep_group)
+            for ep_rank, part in enumerate(parts):
+                yield _global_expert_name(name, ep_rank * local_experts), part
+            continue
         if kind == REPLICATED or tp_size == 1:
             yield name, local
             continue
@@ -232,10 +296,13 @@ def gather_tp_shards(model: torch.nn.Module, tp_group: dist.ProcessGroup | None 
 
 
 def stream_hf_weights(
-    model: torch.nn.Module, hf_config: dict[str, Any], tp_group: dist.ProcessGroup | None = None
+    model: torch.nn.Module,
+    hf_config: dict[str, Any],
+    tp_group: dist.ProcessGroup | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
-    """Stream the model's full weights under HF names on every TP rank (a collective, see `gather_tp_shards`)."""
-    for name, full in gather_tp_shards(model, tp_group):
+    """Stream the model's full weights under HF names on every rank (a collective, see `gather_tp_shards`)."""
+    for name, full in gather_tp_shards(model, tp_group, ep_group):
         yield from megatron_to_hf({name: full}, hf_config)
 
 

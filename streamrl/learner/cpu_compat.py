@@ -1,7 +1,8 @@
 """Make megatron-core 0.16.1's GPTModel (local layer spec) run forward/backward on a CPU-only PyTorch.
 
-Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available, and must run before the
-parallel world / model are built (`streamrl.learner.parallel.init_parallel` calls it). It raises
+Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available (except the missing-name fix
+below, which any install without Transformer Engine needs), and must run before the parallel world / model are
+built (`streamrl.learner.parallel.init_parallel` calls it). It raises
 `RuntimeError` on any megatron-core version other than the one these patches were checked against, because
 each patch replaces a specific code path that may move or change between releases.
 
@@ -18,6 +19,15 @@ recompute / inference) actually hits:
 - Distributed checkpointing (torch_dist backend) stages tensors to host memory with non-blocking copies and then
   calls `torch.cuda.synchronize()` (`FileSystemWriterAsync.preload_tensors`); on CPU the copies are made blocking
   (they are no-ops for host tensors), so nothing waits on a device that does not exist.
+
+Mixture-of-experts (`streamrl.learner.moe`: local spec, "alltoall" token dispatcher):
+- Without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the failed TE
+  `try`), yet the router's `RouterGatingLinearFunction` tests it against None on every forward: a NameError. It is
+  bound to None, which selects the plain torch matmul; applied on GPU too, and only while the name is unbound.
+- `MoEAlltoAllTokenDispatcher.__init__` creates a CUDA stream for its device-to-host copies of the token counts,
+  and `_maybe_dtoh_and_synchronize` copies on it and records / waits on a CUDA event. On CPU the counts already
+  live on the host: no stream is created, and at the copy point the split sizes are turned into lists - the GPU
+  path turns them into numpy arrays there, and gloo's `all_to_all_single` rejects tensors as split sizes.
 """
 
 from __future__ import annotations
@@ -88,16 +98,38 @@ def _blocking_preload(original: Callable[..., list]) -> Callable[..., list]:
     return preload_tensors
 
 
+def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` on the host: nothing to copy or wait for."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for attr in ("input_splits", "output_splits", "output_splits_tp"):
+            splits = getattr(self, attr)
+            if torch.is_tensor(splits):
+                setattr(self, attr, splits.tolist())
+    return tokens_per_expert
+
+
+# Stands in for the dispatcher's shared CUDA stream so that its constructor does not create one.
+_NO_CUDA_STREAM = object()
+
+
 def apply_cpu_compat() -> None:
-    """Apply the CPU patches described in the module docstring (once; a no-op when CUDA is available)."""
+    """Apply the patches described in the module docstring (once; only the missing-name fix when CUDA is available)."""
     global _applied
-    if _applied or torch.cuda.is_available():
+    if _applied:
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if torch.cuda.is_available():
+        _applied = True
         return
     import megatron.core
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     if megatron.core.__version__ != MEGATRON_VERSION:
         raise RuntimeError(
@@ -111,4 +143,6 @@ def apply_cpu_compat() -> None:
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     FileSystemWriterAsync.preload_tensors = staticmethod(_blocking_preload(FileSystemWriterAsync.preload_tensors))
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_CUDA_STREAM
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
     _applied = True

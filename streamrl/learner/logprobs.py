@@ -14,7 +14,9 @@ differentiable w.r.t. the model parameters.
 The model's output with labels is Megatron's per-token vocab-parallel cross-entropy: with tensor parallelism
 each rank only holds its vocabulary shard of the logits, so the result is identical on every TP rank and no rank
 gathers the full vocabulary. Inputs are moved to the model's device (`cu_seqlens` stays on the host: only its
-values are read). Every TP rank of a group must call it with the same inputs. `microbatch_logprobs(model, mb)`
+values are read). Under sequence parallelism (MoE models at TP>1) the length is padded to a multiple of TP
+internally - a trailing dummy sequence when packed, right padding otherwise, both inert for the real tokens - and
+the result trimmed back. Every TP rank of a group must call it with the same inputs. `microbatch_logprobs(model, mb)`
 does the same for a packed `streamrl.types.MicroBatch`.
 """
 
@@ -52,6 +54,26 @@ def packed_seq_params(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> P
                            max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
 
 
+def _pad_for_sequence_parallel(
+    model: GPTModel, tensors: list[torch.Tensor], cu_seqlens: torch.Tensor | None
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Pad `[input_ids, position_ids, labels]` so sequence parallelism can split their length evenly over TP."""
+    seq_len = tensors[0].shape[1]
+    pad = -seq_len % model.config.tensor_model_parallel_size if model.config.sequence_parallel else 0
+    if pad == 0:
+        return tensors, cu_seqlens
+    input_ids, position_ids, labels = tensors
+    rows = input_ids.shape[0]
+    # Packed: the padding is a sequence of its own (positions from 0); unpacked: positions simply continue.
+    start = 0 if cu_seqlens is not None else seq_len
+    positions = torch.arange(start, start + pad, device=position_ids.device).expand(rows, pad)
+    zeros = torch.zeros(rows, pad, dtype=input_ids.dtype, device=input_ids.device)
+    padded = [torch.cat(pair, dim=1) for pair in ((input_ids, zeros), (position_ids, positions), (labels, zeros))]
+    if cu_seqlens is not None:
+        cu_seqlens = torch.cat([cu_seqlens.cpu(), cu_seqlens[-1:].cpu() + pad])
+    return padded, cu_seqlens
+
+
 def token_logprobs(
     model: GPTModel,
     input_ids: torch.LongTensor,
@@ -67,14 +89,17 @@ def token_logprobs(
         )
     # Batches are assembled on the host; the model may live on a GPU.
     device = next(model.parameters()).device
-    input_ids, position_ids, labels = input_ids.to(device), position_ids.to(device), labels.to(device)
+    seq_len = input_ids.shape[1]
+    (input_ids, position_ids, labels), cu_seqlens = _pad_for_sequence_parallel(
+        model, [input_ids.to(device), position_ids.to(device), labels.to(device)], cu_seqlens
+    )
     if cu_seqlens is None:
         mask, packing = causal_attention_mask(input_ids.shape[1], device), None
     else:
         mask, packing = None, packed_seq_params(cu_seqlens, position_ids)
     # With labels, GPTModel returns the per-token cross-entropy -log p(label) in [B, S] instead of logits.
     loss = model(input_ids, position_ids, mask, labels=labels, packed_seq_params=packing)
-    return -loss.float()
+    return -loss[:, :seq_len].float()
 
 
 def microbatch_logprobs(model: GPTModel, mb: MicroBatch) -> torch.Tensor:

@@ -1,15 +1,17 @@
 """Build a Megatron-core `GPTModel` equivalent to a HuggingFace causal LM.
 
 Contract: `build_gpt_model(hf_config)` takes the contents of a HF `config.json` for `Qwen3ForCausalLM`,
-`Qwen2ForCausalLM` or `LlamaForCausalLM` and returns a randomly initialised `GPTModel` (this rank's
-tensor-parallel shard) whose forward matches the HF model once `streamrl.learner.convert.hf_to_megatron`
-weights are loaded. It must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer
-spec is used (no Transformer Engine / apex), with its core attention replaced on CPU and GPU alike by
-`streamrl.learner.attention.PackedSequenceAttention` so that packed micro-batches (`qkv_format='thd'`) run without
-padding. Unsupported configurations raise `ValueError` naming the field.
+`Qwen2ForCausalLM`, `LlamaForCausalLM` or `Qwen3MoeForCausalLM` and returns a randomly initialised `GPTModel`
+(this rank's tensor- and expert-parallel shard; MoE settings and layout in `streamrl.learner.moe`) whose forward
+matches the HF model once `streamrl.learner.convert.hf_to_megatron` weights are loaded. It must be called after
+`streamrl.learner.parallel.init_parallel`. Only the local layer spec is used (no Transformer Engine / apex), with
+its core attention replaced on CPU and GPU alike by `streamrl.learner.attention.PackedSequenceAttention` so that
+packed micro-batches (`qkv_format='thd'`) run without padding. Unsupported configurations raise `ValueError`
+naming the field.
 
-Training with a plain torch optimizer (not Megatron's DDP) at TP>1 requires `allreduce_tp_partial_grads(model)`
-after every backward and before clipping / the optimizer step: see its docstring.
+Training with a plain torch optimizer (not Megatron's DDP) requires, after every backward and before clipping /
+the optimizer step, `allreduce_tp_partial_grads(model)` (TP>1) and then `allreduce_data_parallel_grads(model)`
+(data-parallel ranks, or TP>1 with experts): see their docstrings.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from streamrl.learner.attention import PackedSequenceAttention
+from streamrl.learner.moe import MOE_ARCHITECTURES, SequenceParallelRMSNorm, moe_config_fields, num_experts
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", *MOE_ARCHITECTURES)
 
 
 def architecture(hf_config: dict[str, Any]) -> str:
@@ -53,8 +58,8 @@ def has_qkv_bias(hf_config: dict[str, Any]) -> bool:
 
 
 def has_qk_layernorm(hf_config: dict[str, Any]) -> bool:
-    """Qwen3 RMS-normalises each query/key head before RoPE."""
-    return architecture(hf_config) == "Qwen3ForCausalLM"
+    """Qwen3 (dense and MoE) RMS-normalises each query/key head before RoPE."""
+    return architecture(hf_config) in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _rope_theta(hf_config: dict[str, Any]) -> float:
@@ -91,6 +96,14 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
     """
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    if num_experts(hf_config):
+        moe = moe_config_fields(hf_config, tp_size, ep_size)
+    elif ep_size > 1:
+        raise ValueError(f"expert_parallel: {ep_size} needs a mixture-of-experts model, got {architecture(hf_config)}")
+    else:
+        moe = {}
     return TransformerConfig(
         num_layers=hf_config["num_hidden_layers"],
         hidden_size=hf_config["hidden_size"],
@@ -108,7 +121,7 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         # RL log-probs must be deterministic functions of the weights: no dropout anywhere.
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tensor_model_parallel_size=tp_size,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         # On CPU the weights must be created on the host; the GPU path allocates them on the device directly.
@@ -121,18 +134,32 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **moe,
     )
+
+
+def _layer_spec(config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """The local layer spec with our core attention; MoE models also get norms that allow sequence parallelism."""
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")  # fmt: skip
+    # The local spec's DotProductAttention rejects packed sequences; ours attends within each one.
+    spec.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
+    if not config.num_moe_experts:
+        return spec
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if config.qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    # A block spec, because a bare layer spec gets Megatron's default final norm, which refuses sequence parallel.
+    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32) -> GPTModel:
     """Build the (randomly initialised) Megatron GPTModel shard for `hf_config`; see the module docstring."""
     config = transformer_config(hf_config, params_dtype)
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    # The local spec's DotProductAttention rejects packed sequences; ours attends within each one.
-    spec.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=_layer_spec(config),
         vocab_size=hf_config["vocab_size"],
         max_sequence_length=hf_config["max_position_embeddings"],
         pre_process=True,
@@ -152,22 +179,52 @@ def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch
 def allreduce_tp_partial_grads(model: GPTModel) -> None:
     """Sum, over the tensor-parallel group, the gradients that each TP rank only holds a partial sum of.
 
-    Qwen3's q/k layernorm weights are replicated on every TP rank but applied to each attention head, and a
-    rank only computes its own heads, so its gradient covers those heads only. Megatron's DDP sums them in
-    `finalize_model_grads`; a plain torch optimizer does not, so call this after backward (no-op at TP=1 or
-    without qk layernorm). Every other replicated parameter (the RMSNorms on the replicated hidden state) already
-    has its full gradient on every rank without sequence parallelism.
+    - Qwen3's q/k layernorm weights are replicated on every TP rank but applied to each attention head, and a
+      rank only computes its own heads, so its gradient covers those heads only.
+    - Under sequence parallelism (MoE models at TP>1) the parameters applied to the sequence-split hidden state
+      (the RMSNorms, the MoE router) see only this rank's tokens; Megatron marks them `sequence_parallel`.
+    Megatron's DDP sums these in `finalize_model_grads`; a plain torch optimizer does not, so call this after
+    backward (no-op at TP=1). Every other replicated dense parameter already has its full gradient on every TP
+    rank. Expert weights are summed by `allreduce_data_parallel_grads` instead.
     """
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
     grads = [
         p.grad
         for name, p in model.named_parameters()
-        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name)
+        if p.grad is not None
+        and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)
     ]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all layers
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for these small tensors of all layers
     dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
     for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         grad.copy_(summed.view_as(grad))
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether the Megatron parameter `name` is a routed expert's weight (held per expert-parallel rank)."""
+    return ".mlp.experts." in name
+
+
+def allreduce_data_parallel_grads(model: GPTModel) -> None:
+    """Sum each gradient over the ranks that hold the same parameter but ran different tokens.
+
+    Dense parameters are summed over the data-parallel group. Expert weights are summed over the
+    expert-data-parallel group: the ranks holding the same experts, which (expert tensor parallelism 1) includes
+    the TP peers, each of which routed its own sequence shard, so this is needed even without data parallelism
+    when a MoE model runs at TP>1. Sums, not means: the loss is already normalised over the whole global step.
+    Call after `allreduce_tp_partial_grads`; groups of one rank are skipped.
+    """
+    dense, experts = [], []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            (experts if is_expert_parameter(name) else dense).append(p.grad)
+    for grads, group in (
+        (dense, parallel_state.get_data_parallel_group()),
+        (experts, parallel_state.get_expert_data_parallel_group()),
+    ):
+        if dist.get_world_size(group) > 1:
+            for grad in grads:  # tensor by tensor: no second copy of all the gradients
+                dist.all_reduce(grad, group=group)

@@ -2,7 +2,8 @@
 
 No model hub is reachable, so tests and the default config use models written by
 `write_tiny_model`: a random-initialised Qwen3 / Qwen2 / Llama causal LM (GQA, RMSNorm, SwiGLU,
-RoPE) saved with `save_pretrained`, plus a `tokenizers`-built character tokenizer with a chat
+RoPE), or a Qwen3-MoE one (every layer a top-k routed mixture of SwiGLU experts, no shared expert), saved with
+`save_pretrained`, plus a `tokenizers`-built character tokenizer with a chat
 template, loadable by `transformers.AutoTokenizer` and by vLLM.
 """
 
@@ -12,7 +13,7 @@ import json
 import string
 from pathlib import Path
 
-ARCHS = ("qwen3", "qwen2", "llama")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 # Shape presets; head_dim 32 because vLLM's CPU attention kernels support only a few head sizes.
 PRESETS: dict[str, dict[str, int]] = {
@@ -20,6 +21,11 @@ PRESETS: dict[str, dict[str, int]] = {
                  head_dim=32, intermediate_size=256),
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                   head_dim=32, intermediate_size=512),
+}
+# Expert shapes of the qwen3_moe arch per preset: 8 experts so expert parallelism up to 8 divides them evenly.
+MOE_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    "small": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
 }
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -48,7 +54,7 @@ def build_tokenizer_json() -> str:
 
 
 def _hf_config(arch: str, preset: str, seed_dtype: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     shape = dict(PRESETS[preset])
     common = dict(
@@ -58,6 +64,10 @@ def _hf_config(arch: str, preset: str, seed_dtype: str):
     )
     if arch == "qwen3":
         return Qwen3Config(attention_bias=False, **common)
+    if arch == "qwen3_moe":
+        # Every layer sparse (decoder_sparse_step 1); renormalised top-k weights as in the released Qwen3-MoE models.
+        return Qwen3MoeConfig(attention_bias=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                              **MOE_PRESETS[preset], **common)  # fmt: skip
     if arch == "qwen2":
         common.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads
         return Qwen2Config(**common)
