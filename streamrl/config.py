@@ -30,7 +30,9 @@ class RunConfig(_Section):
 
 
 class TinyModelInit(_Section):
-    arch: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="Architecture of the random model.")
+    arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = Field(
+        "qwen3", description="Architecture of the random model."
+    )
     preset: Literal["tiny", "small"] = Field("tiny", description="Shape preset (streamrl.models.tiny.PRESETS).")
 
 

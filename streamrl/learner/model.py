@@ -228,3 +228,29 @@ def allreduce_data_parallel_grads(model: GPTModel) -> None:
         if dist.get_world_size(group) > 1:
             for grad in grads:  # tensor by tensor: no second copy of all the gradients
                 dist.all_reduce(grad, group=group)
+
+
+def global_grad_norm(model: GPTModel) -> float:
+    """L2 norm of the whole model's gradient, identical on every rank; call after the all-reduces above.
+
+    Dense TP-sharded gradients hold disjoint pieces (their squares are summed over the TP group);
+    replicated dense ones are whole on every rank (counted once); expert gradients are whole experts,
+    distinct across the expert-parallel group (summed over it) and repeated on TP peers (counted once).
+    """
+    device = next(model.parameters()).device
+    sharded, replicated, experts = (torch.zeros((), device=device) for _ in range(3))
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        square = p.grad.float().pow(2).sum()
+        if is_expert_parameter(name):
+            experts += square
+        elif getattr(p, "tensor_model_parallel", False):
+            sharded += square
+        else:
+            replicated += square
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+    return float((sharded + replicated + experts).sqrt())

@@ -27,7 +27,12 @@ from streamrl.learner import checkpoint
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
 from streamrl.learner.logprobs import microbatch_logprobs, token_logprobs
-from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
+from streamrl.learner.model import (
+    allreduce_data_parallel_grads,
+    allreduce_tp_partial_grads,
+    build_gpt_model,
+    global_grad_norm,
+)
 from streamrl.learner.parallel import init_parallel
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
 from streamrl.net import free_port
@@ -129,24 +134,15 @@ class LearnerWorker:
                            as_t(mb.cu_seqlens))  # fmt: skip
 
     def _clip_and_reduce_grads(self) -> float:
+        """Complete every gradient (TP partial sums, then data/expert-data-parallel sums), clip by the global norm."""
         allreduce_tp_partial_grads(self.model)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        dp_group = self.ps.get_data_parallel_group()
-        if self.ps.get_data_parallel_world_size() > 1:
-            for p in params:  # loss weights already divide by the global step: sum, not mean
-                dist.all_reduce(p.grad, group=dp_group)
-        # TP-sharded gradients hold disjoint pieces (sum their squares over the TP group); replicated ones
-        # are whole on every rank (count them once).
-        is_sharded = [bool(getattr(p, "tensor_model_parallel", False)) for p in params]
-        squares = [p.grad.float().pow(2).sum() for p in params]
-        sharded = sum((sq for sq, sh in zip(squares, is_sharded, strict=True) if sh), torch.zeros(()))
-        replicated = sum((sq for sq, sh in zip(squares, is_sharded, strict=True) if not sh), torch.zeros(()))
-        dist.all_reduce(sharded, group=self.ps.get_tensor_model_parallel_group())
-        norm = float((sharded + replicated).sqrt())
+        allreduce_data_parallel_grads(self.model)
+        norm = global_grad_norm(self.model)
         coeff = self.config.optimizer.grad_clip / (norm + 1e-6)
         if coeff < 1.0:
-            for p in params:
-                p.grad.mul_(coeff)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coeff)
         return norm
 
     def step(self) -> dict[str, float]:

@@ -26,7 +26,12 @@ from streamrl.learner.convert import (
     stream_hf_weights,
 )
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import allreduce_data_parallel_grads, allreduce_tp_partial_grads, build_gpt_model
+from streamrl.learner.model import (
+    allreduce_data_parallel_grads,
+    allreduce_tp_partial_grads,
+    build_gpt_model,
+    global_grad_norm,
+)
 from streamrl.learner.moe import moe_config_fields
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
@@ -48,10 +53,10 @@ def _packed(seqs: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     return ids[None], positions[None], labels[None], cu_seqlens
 
 
-def _megatron_step(model: torch.nn.Module, hf_config: dict) -> tuple[torch.Tensor, list, dict, float]:
+def _megatron_step(model: torch.nn.Module, hf_config: dict) -> tuple[torch.Tensor, list, dict, float, float]:
     """This DP rank's share of the batch: mean token log-prob over the WHOLE batch (summed over DP ranks), the
-    streamed HF-named weights as a list (to count repeats), the HF-named full gradients of that loss, and how far
-    the share's first sequence run unpacked is from its packed log-probs."""
+    streamed HF-named weights as a list (to count repeats), the HF-named full gradients of that loss, how far
+    the share's first sequence run unpacked is from its packed log-probs, and the learner's global grad norm."""
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     share = len(LENGTHS) // dp_size
     ids, positions, labels, cu_seqlens = _packed(range(dp_rank * share, (dp_rank + 1) * share))
@@ -64,6 +69,7 @@ def _megatron_step(model: torch.nn.Module, hf_config: dict) -> tuple[torch.Tenso
     loss.backward()
     allreduce_tp_partial_grads(model)
     allreduce_data_parallel_grads(model)
+    norm = global_grad_norm(model)
     total = loss.detach().clone()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     weights = [(name, t.clone()) for name, t in stream_hf_weights(model, hf_config)]
@@ -75,10 +81,10 @@ def _megatron_step(model: torch.nn.Module, hf_config: dict) -> tuple[torch.Tenso
     grads = {name: t.clone() for name, t in stream_hf_weights(model, hf_config)}
     for p, data in zip(params, saved, strict=True):
         p.data = data
-    return total, weights, grads, unpacked_gap
+    return total, weights, grads, unpacked_gap, norm
 
 
-def _build_and_step(model_dir: Path) -> tuple[torch.Tensor, list, dict, float]:
+def _build_and_step(model_dir: Path) -> tuple[torch.Tensor, list, dict, float, float]:
     hf_config, hf_state = load_hf_checkpoint(model_dir)
     model = build_gpt_model(hf_config)
     load_hf_weights(model, hf_state, hf_config)
@@ -91,7 +97,7 @@ def moe_dir(tiny_model_dirs: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tp1_world: None, moe_dir: Path) -> tuple[torch.Tensor, list, dict, float]:
+def reference(tp1_world: None, moe_dir: Path) -> tuple[torch.Tensor, list, dict, float, float]:
     """Single-process (TP=1, EP=1) loss, streamed weights and gradients."""
     return _build_and_step(moe_dir)
 
@@ -170,7 +176,7 @@ def _hf_logprobs_and_grads(model_dir: Path) -> tuple[torch.Tensor, dict[str, tor
     return logprobs.detach(), grads
 
 
-def test_tp1_matches_hf(tp1_world: None, moe_dir: Path, reference: tuple[torch.Tensor, list, dict, float]) -> None:
+def test_tp1_matches_hf(tp1_world: None, moe_dir: Path, reference: tuple) -> None:
     hf_config, hf_state = load_hf_checkpoint(moe_dir)
     model = build_gpt_model(hf_config)
     assert [k for k in model.state_dict() if not k.endswith("_extra_state")] == megatron_names(hf_config)
@@ -179,8 +185,9 @@ def test_tp1_matches_hf(tp1_world: None, moe_dir: Path, reference: tuple[torch.T
     with torch.no_grad():
         logprobs = token_logprobs(model, *_packed(range(len(LENGTHS))))
     assert (logprobs - expected).abs().max().item() < 1e-4
-    _, _, grads, unpacked_gap = reference
+    _, _, grads, unpacked_gap, norm = reference
     assert unpacked_gap < 1e-5
+    assert abs(norm - sum(g.pow(2).sum() for g in grads.values()).sqrt().item()) < 1e-6
     assert grads.keys() == hf_grads.keys()
     for name, grad in grads.items():
         assert torch.allclose(grad, hf_grads[name], rtol=1e-3, atol=1e-5), name
@@ -199,11 +206,12 @@ def _parallel_rank(
 
 
 def _check_layouts(out_dir: Path, world: int, layouts: list, reference: tuple, hf_state: dict) -> None:
-    ref_loss, _, ref_grads, _ = reference
+    ref_loss, _, ref_grads, _, ref_norm = reference
     for tp, ep in layouts:
         for rank in range(world):
-            loss, weights, grads, unpacked_gap = torch.load(out_dir / f"tp{tp}-ep{ep}-{rank}.pt")
+            loss, weights, grads, unpacked_gap, norm = torch.load(out_dir / f"tp{tp}-ep{ep}-{rank}.pt")
             assert abs(loss.item() - ref_loss.item()) < 1e-5 and unpacked_gap < 1e-5, (tp, ep, rank)
+            assert abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm), (tp, ep, rank, norm, ref_norm)
             names = [name for name, _ in weights]
             assert len(names) == len(set(names)) and set(names) == hf_state.keys(), (tp, ep, rank)
             assert all(torch.equal(tensor, hf_state[name]) for name, tensor in weights), (tp, ep, rank)
