@@ -36,10 +36,16 @@ def test_learning(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tensor_parallel", [1, 2])
-def test_logprob_parity(tmp_path: Path, tensor_parallel: int) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [["learner.tensor_parallel=1"], ["learner.tensor_parallel=2"],
+     # Qwen3-MoE with its 8 experts split over 2 expert-parallel (data-parallel) ranks.
+     ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"]],
+    ids=["tp1", "tp2", "moe-ep2"],
+)  # fmt: skip
+def test_logprob_parity(tmp_path: Path, layout: list[str]) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
-    config = tiny_config(tmp_path, f"learner.tensor_parallel={tensor_parallel}", "train.steps=2", "wandb.mode=disabled")
+    config = tiny_config(tmp_path, *layout, "train.steps=2", "wandb.mode=disabled")
     prepare_run(config)
     with Cluster(config) as cluster:
         before = engine_logprobs(cluster, config)
