@@ -137,7 +137,3 @@ class WeightGroup:
                 staged += unpack(buffer, manifest)
                 return version, staged
         raise AssertionError("itertools.count() is endless")
-
-    def close(self) -> None:
-        self.group = None  # type: ignore[assignment]
-        self._buffers.clear()
