@@ -78,6 +78,9 @@ class LearnerConfig(_Section):
     )  # fmt: skip
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
     collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one accelerator, for MFU (989: H100/H200 bf16); unset: no MFU."
+    )
     step_timeout_s: float = Field(600.0, gt=0, description="Bound on one learner step seen from the driver.")
 
     @model_validator(mode="after")

@@ -7,7 +7,8 @@ otherwise derives them from the model shape as forward FLOPs (backward is ~2x bo
     a = 2 * (layers * P_layer + hidden * vocab)      matmul FLOPs per token (2 per multiply-add)
         P_layer = hidden * head_dim * (heads + 2 * kv_heads)   q, k, v projections
                 + heads * head_dim * hidden                    output projection
-                + 3 * hidden * ffn                             gated MLP (gate, up, down)
+                + 3 * hidden * ffn                             gated MLP (gate, up, down); for MoE
+                                                               ffn = top_k * moe_ffn, plus hidden * experts
     b = 2 * layers * heads * head_dim                attention: QK^T and AV over the causal half of L x L,
                                                      2 * heads * head_dim * L^2 / 2 each
 
@@ -46,7 +47,12 @@ def flops_cost_model(hf_config: dict[str, Any]) -> CostModel:
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     head_dim = hf_config.get("head_dim") or hidden // heads
-    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * hf_config["intermediate_size"]
+    if "num_experts" in hf_config:  # MoE: each token runs its top-k experts (plus the router)
+        experts = hf_config["num_experts"]
+        mlp = 3 * hidden * hf_config["moe_intermediate_size"] * hf_config["num_experts_per_tok"] + hidden * experts
+    else:
+        mlp = 3 * hidden * hf_config["intermediate_size"]
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + mlp
     linear = 2.0 * (layers * per_layer + hidden * hf_config["vocab_size"])
     return CostModel(linear=linear, quadratic=2.0 * layers * heads * head_dim)
 

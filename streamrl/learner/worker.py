@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.batching.compose import groups_needed, take_step
-from streamrl.batching.cost import cost_model
+from streamrl.batching.cost import cost_model, flops_cost_model
 from streamrl.batching.microbatch import plan_rank
 from streamrl.config import Config
 from streamrl.learner import checkpoint
@@ -34,6 +34,7 @@ from streamrl.learner.model import (
     global_grad_norm,
 )
 from streamrl.learner.parallel import init_parallel
+from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
 from streamrl.net import free_port
 from streamrl.queue.admission import lag_histogram, split_by_staleness
@@ -59,6 +60,7 @@ class LearnerWorker:
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
         self.model = build_gpt_model(self.hf_config)
         load_hf_weights(self.model, hf_state, self.hf_config)
+        self.device = next(self.model.parameters()).device
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas,
                                            weight_decay=opt.weight_decay)  # fmt: skip
@@ -157,23 +159,32 @@ class LearnerWorker:
                                  cost_model(batching, self.hf_config))  # fmt: skip
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = np.zeros(6)
-        for mb in microbatches:
-            loss, stats = self._microbatch_loss(mb)
-            loss.backward()
-            totals += [float(loss), stats.tokens, stats.clipped, stats.truncated, stats.importance_weight,
-                       stats.behaviour_kl]  # fmt: skip
-        grad_norm = self._clip_and_reduce_grads()
-        self.optimizer.step()
+        timer = StepTimer(self.device)
+        totals = np.zeros(7)
+        with timer.phase("forward_backward"):
+            for mb in microbatches:
+                loss, stats = self._microbatch_loss(mb)
+                loss.backward()
+                totals += [float(loss), stats.tokens, stats.clipped, stats.truncated, stats.importance_weight,
+                           stats.behaviour_kl, 0.0]  # fmt: skip
+        with timer.phase("grad_reduce"):
+            grad_norm = self._clip_and_reduce_grads()
+        with timer.phase("optimizer"):
+            self.optimizer.step()
+        # TP peers run the same sequences: count their FLOPs once per data-parallel rank.
+        totals[6] = training_flops(flops_cost_model(self.hf_config), microbatches)
         reduced = torch.from_numpy(totals)
         dist.all_reduce(reduced, group=self.ps.get_data_parallel_group())  # also: every DP rank has stepped
+        peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         dist.barrier()  # every rank has applied its update before the data is acked
         self.version += 1
         if self.rank != 0:
             return {}
         assert self.consumer is not None
         self.consumer.commit(admitted)
-        return self._metrics(groups, reduced.numpy(), grad_norm, time.perf_counter() - start, wait_s)
+        metrics = self._metrics(groups, reduced.numpy()[:6], grad_norm, time.perf_counter() - start, wait_s)
+        return metrics | self._perf_metrics(timer, float(reduced[6]), float(peak))
 
     def _metrics(self, groups: list[TrajectoryGroup], totals: np.ndarray, grad_norm: float, step_s: float,
                  wait_s: float) -> dict[str, float]:  # fmt: skip
@@ -194,6 +205,17 @@ class LearnerWorker:
                 self.consumer.duplicates_skipped, "queue/wait_s": wait_s,
             "perf/step_time_s": step_s, "perf/tokens_per_s": sum(g.num_tokens for g in groups) / step_s,
         }  # fmt: skip
+
+    def _perf_metrics(self, timer: StepTimer, flops: float, peak_gib: float) -> dict[str, float]:
+        compute_s = sum(timer.seconds.values())
+        per_rank_tflops = flops / max(compute_s, 1e-9) / dist.get_world_size() / 1e12
+        metrics = {f"perf/{name}_s": seconds for name, seconds in timer.seconds.items()}
+        metrics |= {"perf/model_tflops_per_rank": per_rank_tflops, "perf/peak_memory_gib": peak_gib}
+        if self.config.learner.peak_tflops:
+            metrics["perf/mfu"] = per_rank_tflops / self.config.learner.peak_tflops
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return metrics
 
     # -- publishing -------------------------------------------------------------------------------
     def weight_group_address(self) -> tuple[str, int]:

@@ -28,7 +28,8 @@ def test_learning(tmp_path: Path) -> None:
     print(f"reward first quarter {first:.3f}, last quarter {last:.3f}")
     assert last >= 2 * first and last >= first + 0.15, (first, last)
     for key in ("train/loss", "queue/policy_lag_mean", "queue/depth", "perf/tokens_per_s", "perf/step_time_s",
-                "train/clip_fraction", "rollout/response_length_mean", "perf/publish_s"):  # fmt: skip
+                "train/clip_fraction", "rollout/response_length_mean", "perf/publish_s", "perf/forward_backward_s",
+                "perf/optimizer_s", "perf/model_tflops_per_rank", "perf/peak_memory_gib"):  # fmt: skip
         assert all(np.isfinite(row[key]) for row in history), key
     assert history[-1]["rollout/engine_version"] == config.train.steps
     assert (config.run.dir / "config.yaml").exists()

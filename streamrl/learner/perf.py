@@ -1,0 +1,50 @@
+"""Per-step performance accounting of a learner rank: time per phase, model FLOPs, peak memory.
+
+`StepTimer.phase(name)` times a block (synchronising the GPU at its edges, so asynchronous kernels are
+charged to the phase that launched them). `training_flops` counts model FLOPs of the micro-batches a rank
+ran: 3x the forward FLOPs of `streamrl.batching.cost.flops_cost_model` per packed sequence (backward
+costs twice the forward; no recomputation counted). MFU = model FLOP/s per rank / `learner.peak_tflops`.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from streamrl.batching.cost import CostModel
+from streamrl.types import MicroBatch
+
+
+class StepTimer:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def training_flops(forward_flops: CostModel, microbatches: list[MicroBatch]) -> float:
+    """Model FLOPs of forward + backward over every packed sequence of these micro-batches."""
+    return 3.0 * sum(float(forward_flops(np.diff(mb.cu_seqlens)).sum()) for mb in microbatches)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory allocated since the last reset (GPU), or the process's peak RSS (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
