@@ -29,7 +29,7 @@ def test_moe_flops_count_only_the_active_experts() -> None:
     dense = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
              "head_dim": 4, "intermediate_size": 100, "vocab_size": 16}  # fmt: skip
     moe = {**dense, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 5}
-    attention = 8 * 4 * 4 + 2 * 4 * 8  # q, k, v, o
+    attention = 8 * 4 * (2 + 2 * 2) + 2 * 4 * 8  # q, k, v projections + output projection
     assert flops_cost_model(dense).linear == 2 * (attention + 3 * 8 * 100 + 8 * 16)
     assert flops_cost_model(moe).linear == 2 * (attention + 3 * 8 * 5 * 2 + 8 * 8 + 8 * 16)
 
