@@ -1,7 +1,7 @@
-"""Engine faults during a run: an engine killed mid-publish neither hangs the learner nor leaves a
-half-updated engine; its replacement catches up to the latest version by itself."""
+"""Engine faults during a run: an engine that dies while it is a member of the weight group makes the
+next publish fail part-way; that neither hangs the learner nor leaves a half-updated engine, and the
+replacement catches up to the latest version by itself."""
 
-import threading
 import time
 from pathlib import Path
 
@@ -16,19 +16,20 @@ from tests.orchestrate.parity import assert_logprob_parity, tiny_config
 @pytest.mark.slow
 def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, "rollout.engines=2", "wandb.mode=disabled", "train.publish_timeout_s=30",
-                         "train.publish_bucket_bytes=1024")  # many small buckets: the publish takes a while
+                         "train.publish_bucket_bytes=1024")  # one bucket per tensor: the failure hits mid-version
     prepare_run(config)
     with Cluster(config) as cluster:
         cluster.learner_step(1)
         publish_weights(cluster, 1)
         cluster.learner_step(2)
         victim = cluster.engines[1]
-        killer = threading.Timer(0.1, ray.kill, args=(victim,))
+        # Killed while still a member of the weight group: the publish starts, the broadcast to it fails,
+        # and engine 0 may already hold part of version 2. (A timer racing the publish was flaky: the tiny
+        # model's publish can finish before the kill lands.)
+        ray.kill(victim)
         start = time.monotonic()
-        killer.start()
         metrics = publish_weights(cluster, 2)
         elapsed = time.monotonic() - start
-        killer.join()
         print(f"publish with a killed engine took {elapsed:.1f}s: {metrics}")
         assert cluster.engines_restarted == 1 and cluster.engines[1] is not victim
         assert elapsed < config.train.publish_timeout_s + config.rollout.start_timeout_s
