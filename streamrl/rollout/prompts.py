@@ -79,7 +79,8 @@ class PromptSource(BaseNode[Prompt]):
         if self.prompts is None:
             symbol = random.Random(self.seed * 1_000_003 + self.index).choice(self.task.symbols)
             self.index += 1
-            return Prompt(f"repeat {symbol}", symbol)
+            # The symbol four times: a tiny model finds it in the prompt far sooner than a lone character.
+            return Prompt(f"repeat {symbol * 4}", symbol)
         if self.index >= len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._shuffle()

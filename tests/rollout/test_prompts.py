@@ -12,7 +12,7 @@ from streamrl.rollout.prompts import PromptSource
 def test_symbols_stream_resumes_from_state() -> None:
     source = PromptSource(TaskConfig(), seed=3)
     first = [next(source) for _ in range(5)]
-    assert all(p.answer in TaskConfig().symbols and p.text == f"repeat {p.answer}" for p in first)
+    assert all(p.answer in TaskConfig().symbols and p.text == f"repeat {p.answer * 4}" for p in first)
     state = source.state_dict()
     expected = [next(source) for _ in range(5)]
     resumed = PromptSource(TaskConfig(), seed=3)
