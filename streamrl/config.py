@@ -71,10 +71,20 @@ class RolloutConfig(_Section):
 
 class LearnerConfig(_Section):
     tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size.")
-    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x DP.")
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x PP x DP.")
+    pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline stages (1F1B schedule).")
+    virtual_stages: int = Field(
+        1, ge=1, description="Model chunks per pipeline stage (Megatron's interleaved schedule); needs "
+        "pipeline_parallel > 1, and the layers must split evenly over stages x chunks."
+    )  # fmt: skip
+    last_stage_layers: int | None = Field(
+        None, ge=1, description="Layers of the last pipeline stage (the rest split evenly over the others), e.g. "
+        "fewer to leave room for the output layer and loss; unset: an even split."
+    )  # fmt: skip
     expert_parallel: int = Field(
         1, ge=1, description="Megatron expert-parallel size for MoE models: the experts are split over this many "
-        "ranks (an expert is never split by TP); they come out of the TP x DP world, so it must divide TP x DP."
+        "ranks (an expert is never split by TP); they come out of a pipeline stage's TP x DP ranks, so it must "
+        "divide TP x DP."
     )  # fmt: skip
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
     collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
@@ -83,12 +93,19 @@ class LearnerConfig(_Section):
     )
     step_timeout_s: float = Field(600.0, gt=0, description="Bound on one learner step seen from the driver.")
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
     @model_validator(mode="after")
-    def _experts_split_the_world(self) -> LearnerConfig:
-        world = self.tensor_parallel * self.data_parallel
-        if world % self.expert_parallel:
-            raise ValueError(f"learner.expert_parallel: {self.expert_parallel} does not divide the learner world size "
-                             f"{world} (tensor_parallel x data_parallel)")  # fmt: skip
+    def _layout_is_consistent(self) -> LearnerConfig:
+        stage = self.tensor_parallel * self.data_parallel
+        if stage % self.expert_parallel:
+            raise ValueError(f"learner.expert_parallel: {self.expert_parallel} does not divide the {stage} ranks of a "
+                             "pipeline stage (tensor_parallel x data_parallel)")  # fmt: skip
+        if self.pipeline_parallel == 1 and (self.virtual_stages > 1 or self.last_stage_layers is not None):
+            field = "virtual_stages" if self.virtual_stages > 1 else "last_stage_layers"
+            raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
         return self
 
 

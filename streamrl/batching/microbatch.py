@@ -47,11 +47,16 @@ def _sequences(groups: list[TrajectoryGroup], normalization: str) -> list[_Seque
     return seqs
 
 
+def filler_microbatch() -> MicroBatch:
+    """A single zero-weight token: evens out micro-batch counts (between ranks, or for a pipeline schedule)."""
+    zero_i, zero_f = np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32)
+    return MicroBatch(zero_i, zero_i, zero_i, zero_f, zero_f, zero_f, np.array([0, 1], np.int32))
+
+
 def _collate(seqs: list[_Sequence]) -> MicroBatch:
-    """One packed row; no sequences gives a filler: a single zero-weight token (equal micro-batch counts)."""
+    """One packed row; no sequences gives a filler."""
     if not seqs:
-        zero_i, zero_f = np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32)
-        return MicroBatch(zero_i, zero_i, zero_i, zero_f, zero_f, zero_f, np.array([0, 1], np.int32))
+        return filler_microbatch()
     lengths = np.array([len(s.tokens) - 1 for s in seqs])  # position j predicts token j + 1
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     loss_weight = np.zeros(cu_seqlens[-1], np.float32)

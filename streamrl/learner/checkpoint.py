@@ -4,11 +4,14 @@ Contract: every learner rank calls `save_checkpoint(...)` / `load_checkpoint(...
 the default process group). The model's `sharded_state_dict()` and AdamW's `exp_avg` / `exp_avg_sq` (laid out
 like their parameters: same global shape and shard offsets, key `optimizer.<state>.<param key>`) are written
 with `megatron.core.dist_checkpointing` (torch_dist backend), so a checkpoint saved with TP=2 loads with TP=1
-and vice versa. AdamW's per-parameter step count, the policy version and the step sit in the common state.
+and vice versa, and pipeline stages (each rank saves its chunks; Megatron keys layers by their model-wide number)
+may change too. AdamW's step count, the policy version and the step sit in the common state: one step count for
+all parameters, as Megatron's optimizers keep it (an expert that no token chose skipped some AdamW steps; it
+resumes with the common count).
 Optimizer hyperparameters (lr, betas, ...) come from the config at load time, not from the checkpoint.
 
 RNG: each rank's torch (and CUDA) generator and Megatron model-parallel tracker states are saved per rank;
-they are restored only when the layout (TP, DP) is unchanged, since a rank of another layout has no
+they are restored only when the layout (TP, PP, DP) is unchanged, since a rank of another layout has no
 counterpart. Otherwise the generators stay as seeded from `run.seed` at start-up (the learner draws no
 random numbers today: dropout is 0).
 
@@ -17,7 +20,8 @@ Layout on disk (the run directory must be shared by all ranks):
 RUN_DIR/checkpoints/
   step_00000004/
     dist/        megatron dist_checkpointing files (metadata.json, common.pt, *.distcp)
-    meta.json    {"format", "step", "version", "tensor_parallel", "data_parallel", "config_hash"}, written last
+    meta.json    {"format", "step", "version", "tensor_parallel", "data_parallel", "config_hash",
+                  "pipeline_parallel" (optional, 1 if absent)}, written last
   latest         "step_00000004": replaced by an atomic rename once meta.json is on disk
 ```
 A directory without meta.json (a crash mid-save) is never pointed to by `latest`; a malformed meta.json or
@@ -73,6 +77,7 @@ class CheckpointMeta:
     tensor_parallel: int  # layout of the saving job; a loading job may differ
     data_parallel: int
     config_hash: str  # sha256 of the resolved config of the saving job (which run produced it)
+    pipeline_parallel: int = 1
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -102,11 +107,14 @@ def read_meta(path: Path) -> CheckpointMeta:
             raise CheckpointError(f"{file}: field {name!r} must be {kind.__name__}, got {value!r}")
     if raw["format"] != FORMAT:
         raise CheckpointError(f"{file}: field 'format' is {raw['format']}, this reader supports {FORMAT}")
+    stages = raw.get("pipeline_parallel", 1)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise CheckpointError(f"{file}: field 'pipeline_parallel' must be a positive int, got {stages!r}")
     if path.name != step_dir(path.parent, raw["step"]).name:
         raise CheckpointError(f"{file}: field 'step' is {raw['step']} but the directory is {path.name}")
     if not (path / _DIST / "metadata.json").is_file():
         raise CheckpointError(f"{path / _DIST / 'metadata.json'}: missing (incomplete checkpoint)")
-    return CheckpointMeta(**{name: raw[name] for name in fields})
+    return CheckpointMeta(**{name: raw[name] for name in fields}, pipeline_parallel=stages)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -156,35 +164,48 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _optimizer_state(model: torch.nn.Module, model_state: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """AdamW's state as sharded tensors laid out like their parameters, plus the per-parameter step counts."""
+Chunks = torch.nn.Module | list[torch.nn.Module]  # one model, or this rank's pipeline chunks
+
+
+def _chunk_list(chunks: Chunks) -> list[torch.nn.Module]:
+    return [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
+
+
+def _optimizer_state(model_state: dict | list, optimizer: torch.optim.Optimizer) -> dict:
+    """AdamW's state as sharded tensors laid out like their parameters, plus the common step count."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sharded_params = get_param_id_to_sharded_param_map(model_state, params)
-    names = {p: name for name, p in model.named_parameters()}
     adam = {name: {} for name in _ADAM_STATES}
     for index, param in enumerate(params):
         state = _adam_state(optimizer, param)
         for name in _ADAM_STATES:
             adam[name][index] = make_sharded_optimizer_tensor(sharded_params[index], state[name], f"optimizer.{name}")
-    # The step count is the same on every TP/DP rank, so it is common state, keyed by layout-free parameter names.
-    adam_step = {names[p]: int(_adam_state(optimizer, p)["step"].item()) for p in params}
-    return {**adam, "step": adam_step}
+    step = max(int(_adam_state(optimizer, p)["step"].item()) for p in params)
+    return {**adam, "step": step}
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rng_world: int | None) -> dict:
+def _sharded_state(chunks: Chunks, optimizer: torch.optim.Optimizer | None, rng_world: int | None) -> dict:
     """What a checkpoint holds, as a dist_checkpointing sharded state dict; `optimizer` None leaves AdamW's state
     out, `rng_world` None the RNG states (else: the world size whose per-rank states to include)."""
-    model_state = model.sharded_state_dict()
-    out = {"model": model_state}
+    models = _chunk_list(chunks)
+    # Shards are matched by their model-wide keys, so how the chunks nest here does not constrain a reload.
+    model_state = models[0].sharded_state_dict() if len(models) == 1 else [m.sharded_state_dict() for m in models]
+    out: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
-        out["optimizer"] = _optimizer_state(model, model_state, optimizer)
+        out["optimizer"] = _optimizer_state(model_state, optimizer)
     if rng_world is not None:
         rank = dist.get_rank()
         out["rng"] = ShardedObject("rng_state", _rng_state(), (rng_world,), (rank,), replica_id=0)
     return out
 
 
-def save_checkpoint(root: Path, step: int, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def _layout() -> tuple[int, int, int]:
+    ps = parallel_state
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_data_parallel_world_size())  # fmt: skip
+
+
+def save_checkpoint(root: Path, step: int, version: int, chunks: Chunks, optimizer: torch.optim.Optimizer,
                     config_hash: str) -> Path:  # fmt: skip
     """Collective: write `root/step_{step:08d}` and point `root/latest` at it; returns the step directory."""
     path = step_dir(root, step)
@@ -193,37 +214,38 @@ def save_checkpoint(root: Path, step: int, version: int, model: torch.nn.Module,
         shutil.rmtree(path, ignore_errors=True)
         (path / _DIST).mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(model, optimizer, dist.get_world_size())
+    state = _sharded_state(chunks, optimizer, dist.get_world_size())
     state.update(step=step, version=version)
     dist_checkpointing.save(state, str(path / _DIST))  # ends with a barrier: every rank's shards are on disk
     if rank == 0:
-        meta = CheckpointMeta(FORMAT, step, version, parallel_state.get_tensor_model_parallel_world_size(),
-                              parallel_state.get_data_parallel_world_size(), config_hash)  # fmt: skip
+        tp, pp, dp = _layout()
+        meta = CheckpointMeta(FORMAT, step, version, tp, dp, config_hash, pp)
         _write_atomically(path / META, json.dumps(asdict(meta), indent=1) + "\n")
         _write_atomically(root / LATEST, path.name + "\n")
     dist.barrier()
     return path
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> CheckpointMeta:
+def load_checkpoint(path: Path, chunks: Chunks, optimizer: torch.optim.Optimizer | None) -> CheckpointMeta:
     """Collective: load the model weights saved at `path`; with an `optimizer` also AdamW's state and (same
     layout only) the RNG states, i.e. everything to continue training. Without one: the weights alone (export)."""
     meta = read_meta(path)
-    layout = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_data_parallel_world_size())
-    restore_rng = optimizer is not None and (meta.tensor_parallel, meta.data_parallel) == layout
-    state = _sharded_state(model, optimizer, dist.get_world_size() if restore_rng else None)
+    saved_layout = (meta.tensor_parallel, meta.pipeline_parallel, meta.data_parallel)
+    restore_rng = optimizer is not None and saved_layout == _layout()
+    state = _sharded_state(chunks, optimizer, dist.get_world_size() if restore_rng else None)
     loaded = dist_checkpointing.load(state, str(path / _DIST))
     if (loaded["step"], loaded["version"]) != (meta.step, meta.version):
         raise CheckpointError(f"{path / META}: fields 'step'/'version' are {meta.step}/{meta.version} but the saved "
                               f"state has {loaded['step']}/{loaded['version']}")  # fmt: skip
-    model.load_state_dict(loaded["model"])
+    models = _chunk_list(chunks)
+    for model, model_state in zip(models, [loaded["model"]] if len(models) == 1 else loaded["model"], strict=True):
+        model.load_state_dict(model_state)
     if optimizer is not None:
-        names = {p: name for name, p in model.named_parameters()}
         for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
             adam = optimizer.state[param]  # created by _sharded_state
             for name in _ADAM_STATES:
                 adam[name].copy_(loaded["optimizer"][name][index])
-            adam["step"].fill_(loaded["optimizer"]["step"][names[param]])
+            adam["step"].fill_(loaded["optimizer"]["step"])
     if restore_rng:
         _set_rng_state(loaded["rng"])
     return meta

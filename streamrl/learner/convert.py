@@ -10,9 +10,12 @@ Contract (all conversions are pure reindexing - views, cat, chunk - so a round t
   at a time.
 - `gather_tp_shards(model, tp_group, ep_group)` yields each parameter's full tensor under its full name,
   all-gathering TP shards over the TP group and each expert-parallel rank's experts over the EP group: a
-  collective every rank must drive in the same order, after which every rank has seen every tensor exactly once.
-  `stream_hf_weights` chains the two.
-- `load_hf_weights(model, hf_state, hf_config)` loads this rank's shard into a built model.
+  collective every rank must drive in the same order, after which every rank has seen every tensor of its
+  pipeline stage exactly once (the stages together: the whole model; a tied embedding's copy on the last stage is
+  skipped). `stream_hf_weights` chains the two, over one model or this rank's chunks.
+- `load_hf_weights(model, hf_state, hf_config)` loads this rank's shard into a built model (or into each of its
+  pipeline chunks: a chunk's layers are numbered locally from 0, and `stage_names(chunk)` maps them to the
+  model-wide layer numbers these conversions use).
 - `load_hf_checkpoint(path)` reads `config.json` and every `*.safetensors` file.
 
 Layouts. Megatron fuses q/k/v into `linear_qkv` with rows grouped per query group g:
@@ -104,6 +107,23 @@ def _lookup(name: str) -> tuple[list[str], str]:
         raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
     hf_suffixes, kind = _LAYER_MAP[suffix]
     return [f"{prefix}.{hf_suffix}" for hf_suffix in hf_suffixes], kind
+
+
+def stage_names(model: torch.nn.Module) -> dict[str, str]:
+    """Local -> model-wide name of each parameter of one pipeline chunk (identity without pipeline parallelism).
+
+    Megatron numbers a chunk's layers from 0 in its state dict; each layer knows its model-wide `layer_number`.
+    """
+    numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
+    return {name: _LAYER_RE.sub(lambda m: f"decoder.layers.{numbers[int(m.group(1))]}.{m.group(2)}", name)
+            for name, _ in model.named_parameters()}  # fmt: skip
+
+
+def _source(name: str, hf_config: dict[str, Any]) -> str:
+    """The Megatron name whose HF tensors fill `name`: a tied output layer (last stage) is the embedding."""
+    if name == "output_layer.weight" and hf_config.get("tie_word_embeddings", False):
+        return "embedding.word_embeddings.weight"
+    return name
 
 
 def _global_expert_name(name: str, first_expert: int) -> str:
@@ -209,8 +229,10 @@ def hf_to_megatron(
     tp_size: int = 1,
     ep_rank: int = 0,
     ep_size: int = 1,
+    names: list[str] | None = None,
 ) -> dict[str, Tensor]:
-    """This TP and EP rank's shard of every Megatron parameter, from a full HF state dict (see module docstring)."""
+    """This TP and EP rank's shard of every Megatron parameter (or of `names`, model-wide names), from a full HF
+    state dict (see module docstring)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
     if not 0 <= ep_rank < ep_size:
@@ -218,8 +240,8 @@ def hf_to_megatron(
     _check_divisible(hf_config, tp_size, ep_size)
     first_expert = ep_rank * num_experts(hf_config) // ep_size
     out: dict[str, Tensor] = {}
-    for name in megatron_names(hf_config, ep_size):
-        hf_names, kind = _lookup(_global_expert_name(name, first_expert))
+    for name in megatron_names(hf_config, ep_size) if names is None else names:
+        hf_names, kind = _lookup(_global_expert_name(_source(name, hf_config), first_expert))
         missing = [n for n in hf_names if n not in hf_state]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {name!r}")
@@ -236,7 +258,9 @@ def hf_to_megatron(
 
 
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_config: dict[str, Any]) -> None:
-    """Copy a full HF state dict into this rank's Megatron model shard (TP/EP rank and size from `parallel_state`)."""
+    """Copy a full HF state dict into this rank's Megatron model shard or pipeline chunk (TP/EP rank and size from
+    `parallel_state`)."""
+    local_names = stage_names(model)
     shard = hf_to_megatron(
         hf_state,
         hf_config,
@@ -244,7 +268,9 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_c
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_expert_model_parallel_rank(),
         parallel_state.get_expert_model_parallel_world_size(),
+        names=list(local_names.values()),
     )
+    shard = {local: shard[model_wide] for local, model_wide in local_names.items()}
     # Non-strict only because `_extra_state` entries (Transformer Engine FP8 metadata slots) have no HF source.
     result = model.load_state_dict(shard, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -278,7 +304,11 @@ def gather_tp_shards(
         ep_group = parallel_state.get_expert_model_parallel_group()
     tp_size, ep_size = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
     local_experts = (getattr(model.config, "num_moe_experts", None) or 0) // ep_size
-    for name, param in model.named_parameters():
+    model_wide = stage_names(model)
+    for local_name, param in model.named_parameters():
+        if getattr(param, "shared", False):  # the last stage's copy of a tied embedding: the first stage sends it
+            continue
+        name = model_wide[local_name]
         _, kind = _lookup(name)
         local = param.detach()
         if is_expert_parameter(name) and ep_size > 1:  # experts are whole (expert TP 1): only EP splits them
@@ -296,14 +326,15 @@ def gather_tp_shards(
 
 
 def stream_hf_weights(
-    model: torch.nn.Module,
+    chunks: torch.nn.Module | list[torch.nn.Module],
     hf_config: dict[str, Any],
     tp_group: dist.ProcessGroup | None = None,
     ep_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
-    """Stream the model's full weights under HF names on every rank (a collective, see `gather_tp_shards`)."""
-    for name, full in gather_tp_shards(model, tp_group, ep_group):
-        yield from megatron_to_hf({name: full}, hf_config)
+    """Stream this stage's full weights under HF names on every rank (a collective, see `gather_tp_shards`)."""
+    for chunk in [chunks] if isinstance(chunks, torch.nn.Module) else chunks:
+        for name, full in gather_tp_shards(chunk, tp_group, ep_group):
+            yield from megatron_to_hf({name: full}, hf_config)
 
 
 def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:

@@ -1,7 +1,7 @@
 """Make megatron-core 0.16.1's GPTModel (local layer spec) run forward/backward on a CPU-only PyTorch.
 
-Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available (except the missing-name fix
-below, which any install without Transformer Engine needs), and must run before the parallel world / model are
+Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available (except the two fixes marked
+"everywhere" below), and must run before the parallel world / model are
 built (`streamrl.learner.parallel.init_parallel` calls it). It raises
 `RuntimeError` on any megatron-core version other than the one these patches were checked against, because
 each patch replaces a specific code path that may move or change between releases.
@@ -20,10 +20,24 @@ recompute / inference) actually hits:
   calls `torch.cuda.synchronize()` (`FileSystemWriterAsync.preload_tensors`); on CPU the copies are made blocking
   (they are no-ops for host tensors), so nothing waits on a device that does not exist.
 
+Pipeline parallelism (Megatron's schedules and p2p communication, `streamrl.learner.pipeline`):
+- The schedules count tokens in `torch.zeros([], device="cuda")`: inside `megatron.core.pipeline_parallel.
+  schedules` the name `torch` is bound to a view of torch whose `zeros` puts "cuda" tensors on the host.
+- Exchanging activation shapes ends with `torch.cuda.synchronize()` (a guard for NCCL's batched p2p); there is no
+  device to wait for, so it is made a no-op.
+- Everywhere: with `variable_seq_lengths`, stages first exchange activation shapes in one batched p2p call on the
+  pipeline group. With two stages the previous and the next rank are the same peer, so in the interleaved
+  schedule a rank's shape sends to it (backward, then forward) are matched in issue order with its receives
+  (forward, then backward) and the shapes cross over. The exchange goes through Megatron's own unbatched
+  `_p2p_ops` instead, which sends the two directions over two different groups for exactly this case.
+- With tied embeddings, the last stage's copy of the embedding is synchronised at construction by an all-reduce
+  of `weight.data.cuda()`: during `LanguageModule.setup_embeddings_and_output_layer`, `Tensor.cuda` returns the
+  host tensor itself.
+
 Mixture-of-experts (`streamrl.learner.moe`: local spec, "alltoall" token dispatcher):
-- Without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the failed TE
-  `try`), yet the router's `RouterGatingLinearFunction` tests it against None on every forward: a NameError. It is
-  bound to None, which selects the plain torch matmul; applied on GPU too, and only while the name is unbound.
+- Everywhere: without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the
+  failed TE `try`), yet the router's `RouterGatingLinearFunction` tests it against None on every forward: a
+  NameError. It is bound to None, which selects the plain torch matmul, only while the name is unbound.
 - `MoEAlltoAllTokenDispatcher.__init__` creates a CUDA stream for its device-to-host copies of the token counts,
   and `_maybe_dtoh_and_synchronize` copies on it and records / waits on a CUDA event. On CPU the counts already
   live on the host: no stream is created, and at the copy point the split sizes are turned into lists - the GPU
@@ -33,7 +47,10 @@ Mixture-of-experts (`streamrl.learner.moe`: local spec, "alltoall" token dispatc
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -108,6 +125,56 @@ def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor 
     return tokens_per_expert
 
 
+class _HostTorch(types.ModuleType):
+    """torch, except that `zeros(..., device="cuda")` allocates on the host (bound as `torch` in the schedules)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _no_synchronize(device: Any = None) -> None:
+    """`torch.cuda.synchronize` without a device: host work is already complete when a call returns."""
+
+
+def _with_host_cuda(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `method` with `Tensor.cuda` returning the host tensor itself (its target device is the host here)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapper
+
+
+def _communicate_shapes_by_direction(self: Any, tensor_send_next: torch.Tensor | None,
+                                     tensor_send_prev: torch.Tensor | None, recv_prev: bool,
+                                     recv_next: bool) -> tuple[list[int], list[int]]:  # fmt: skip
+    """`P2PCommunicator._communicate_shapes` over `_p2p_ops`: one group per direction when there are two stages."""
+    from megatron.core.pipeline_parallel.p2p_communication import _p2p_ops
+
+    device = torch.cuda.current_device()
+    shape_of = lambda t: None if t is None else torch.tensor(t.size(), device=device, dtype=torch.int64)  # noqa: E731
+    received = {d: torch.empty(3, device=device, dtype=torch.int64) if wanted else None
+                for d, wanted in (("prev", recv_prev), ("next", recv_next))}  # fmt: skip
+    requests = _p2p_ops(tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=received["prev"],
+                        tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=received["next"],
+                        group=self.pp_group, prev_pipeline_rank=self.prev_rank,
+                        next_pipeline_rank=self.next_rank)  # fmt: skip
+    for request in requests.values():
+        request.wait()
+    shapes = [[0, 0, 0] if t is None else t.tolist() for t in (received["prev"], received["next"])]
+    return shapes[0], shapes[1]
+
+
 # Stands in for the dispatcher's shared CUDA stream so that its constructor does not create one.
 _NO_CUDA_STREAM = object()
 
@@ -117,16 +184,20 @@ def apply_cpu_compat() -> None:
     global _applied
     if _applied:
         return
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    P2PCommunicator._communicate_shapes = _communicate_shapes_by_direction
     if torch.cuda.is_available():
         _applied = True
         return
     import megatron.core
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -145,4 +216,7 @@ def apply_cpu_compat() -> None:
     FileSystemWriterAsync.preload_tensors = staticmethod(_blocking_preload(FileSystemWriterAsync.preload_tensors))
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_CUDA_STREAM
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+    schedules.torch = _HostTorch("torch")
+    torch.cuda.synchronize = _no_synchronize
+    LanguageModule.setup_embeddings_and_output_layer = _with_host_cuda(LanguageModule.setup_embeddings_and_output_layer)
     _applied = True

@@ -17,7 +17,8 @@ gathers the full vocabulary. Inputs are moved to the model's device (`cu_seqlens
 values are read). Under sequence parallelism (MoE models at TP>1) the length is padded to a multiple of TP
 internally - a trailing dummy sequence when packed, right padding otherwise, both inert for the real tokens - and
 the result trimmed back. Every TP rank of a group must call it with the same inputs. `microbatch_logprobs(model, mb)`
-does the same for a packed `streamrl.types.MicroBatch`.
+does the same for a packed `streamrl.types.MicroBatch`. Under pipeline parallelism only the last stage has
+log-probs: `model_forward` / `microbatch_forward` return any chunk's raw output (`streamrl.learner.pipeline`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,20 @@ def token_logprobs(
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log p(labels[:, t] | its sequence up to t) for every position, shape `[B, S]`, float32."""
+    # With labels, GPTModel returns the per-token cross-entropy -log p(label) in [B, S] instead of logits.
+    loss = model_forward(model, input_ids, position_ids, labels, cu_seqlens)
+    return -loss[:, : input_ids.shape[1]].float()
+
+
+def model_forward(
+    model: GPTModel,
+    input_ids: torch.LongTensor,
+    position_ids: torch.LongTensor,
+    labels: torch.LongTensor,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The raw output of `model` (one pipeline chunk) on these inputs: the per-token cross-entropy `[B, S']` if it
+    is the last stage, else its hidden states for the next stage (`S' >= S`: sequence-parallel padding)."""
     if input_ids.shape != labels.shape or input_ids.shape != position_ids.shape or input_ids.dim() != 2:
         raise ValueError(
             f"input_ids/position_ids/labels: expected equal [B, S] shapes, got "
@@ -89,7 +104,6 @@ def token_logprobs(
         )
     # Batches are assembled on the host; the model may live on a GPU.
     device = next(model.parameters()).device
-    seq_len = input_ids.shape[1]
     (input_ids, position_ids, labels), cu_seqlens = _pad_for_sequence_parallel(
         model, [input_ids.to(device), position_ids.to(device), labels.to(device)], cu_seqlens
     )
@@ -97,12 +111,17 @@ def token_logprobs(
         mask, packing = causal_attention_mask(input_ids.shape[1], device), None
     else:
         mask, packing = None, packed_seq_params(cu_seqlens, position_ids)
-    # With labels, GPTModel returns the per-token cross-entropy -log p(label) in [B, S] instead of logits.
-    loss = model(input_ids, position_ids, mask, labels=labels, packed_seq_params=packing)
-    return -loss[:, :seq_len].float()
+    # A chunk after the first takes its input from the previous stage (`set_input_tensor`) and ignores input_ids.
+    return model(input_ids, position_ids, mask, labels=labels, packed_seq_params=packing)
 
 
 def microbatch_logprobs(model: GPTModel, mb: MicroBatch) -> torch.Tensor:
     """`token_logprobs` of a packed `MicroBatch`: float32 `[1, T]`, aligned with its per-position fields."""
     as_t = torch.from_numpy
     return token_logprobs(model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels), as_t(mb.cu_seqlens))
+
+
+def microbatch_forward(model: GPTModel, mb: MicroBatch) -> torch.Tensor:
+    """`model_forward` of a packed `MicroBatch` (one pipeline chunk's output)."""
+    as_t = torch.from_numpy
+    return model_forward(model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels), as_t(mb.cu_seqlens))

@@ -1,21 +1,26 @@
 """Build a Megatron-core `GPTModel` equivalent to a HuggingFace causal LM.
 
-Contract: `build_gpt_model(hf_config)` takes the contents of a HF `config.json` for `Qwen3ForCausalLM`,
-`Qwen2ForCausalLM`, `LlamaForCausalLM` or `Qwen3MoeForCausalLM` and returns a randomly initialised `GPTModel`
-(this rank's tensor- and expert-parallel shard; MoE settings and layout in `streamrl.learner.moe`) whose forward
-matches the HF model once `streamrl.learner.convert.hf_to_megatron` weights are loaded. It must be called after
-`streamrl.learner.parallel.init_parallel`. Only the local layer spec is used (no Transformer Engine / apex), with
-its core attention replaced on CPU and GPU alike by `streamrl.learner.attention.PackedSequenceAttention` so that
-packed micro-batches (`qkv_format='thd'`) run without padding. Unsupported configurations raise `ValueError`
-naming the field.
+Contract: `build_model_chunks(hf_config)` takes the contents of a HF `config.json` for `Qwen3ForCausalLM`,
+`Qwen2ForCausalLM`, `LlamaForCausalLM` or `Qwen3MoeForCausalLM` and returns this rank's randomly initialised
+`GPTModel` chunks (its tensor- and expert-parallel shard of the layers of its pipeline stage: one chunk, or one
+per virtual stage; MoE settings and layout in `streamrl.learner.moe`) which together match the HF model once
+`streamrl.learner.convert.load_hf_weights` weights are loaded. Without pipeline parallelism
+`build_gpt_model(hf_config)` is the one whole model. Layers split evenly over the pipeline stages (and virtual
+stages), except that `last_stage_layers` may give the last stage fewer or more (Megatron's uneven split). It
+must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer spec is used (no Transformer
+Engine / apex), with its core attention replaced on CPU and GPU alike by
+`streamrl.learner.attention.PackedSequenceAttention` so that packed micro-batches (`qkv_format='thd'`) run
+without padding. Unsupported configurations raise `ValueError` naming the field.
 
 Training with a plain torch optimizer (not Megatron's DDP) requires, after every backward and before clipping /
-the optimizer step, `allreduce_tp_partial_grads(model)` (TP>1) and then `allreduce_data_parallel_grads(model)`
-(data-parallel ranks, or TP>1 with experts): see their docstrings.
+the optimizer step, `allreduce_tp_partial_grads(chunks)` (TP>1), `allreduce_data_parallel_grads(chunks)`
+(data-parallel ranks, or TP>1 with experts) and, for tied embeddings split over pipeline stages,
+`allreduce_tied_embedding_grads(chunks)`: see their docstrings. They take one model or this rank's chunks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from streamrl.learner.attention import PackedSequenceAttention
 from streamrl.learner.moe import MOE_ARCHITECTURES, SequenceParallelRMSNorm, moe_config_fields, num_experts
@@ -88,8 +93,40 @@ def _check_supported(hf_config: dict[str, Any]) -> None:
         raise ValueError("use_sliding_window: sliding-window attention is not supported")
 
 
-def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
-    """Translate a HF config into a Megatron `TransformerConfig` for this process's device.
+def _pipeline_fields(hf_config: dict[str, Any], last_stage_layers: int | None) -> dict[str, Any]:
+    """Megatron's pipeline settings for this world, validated against the model's layer count."""
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    layers = hf_config["num_hidden_layers"]
+    if stages == 1:
+        if last_stage_layers is not None:
+            raise ValueError("learner.last_stage_layers: needs pipeline parallelism")
+        return {}
+    rest, rest_stages = layers, stages
+    if last_stage_layers is not None:
+        if not 0 < last_stage_layers < layers:
+            raise ValueError(f"learner.last_stage_layers: {last_stage_layers} must be in [1, {layers - 1}]")
+        rest, rest_stages = layers - last_stage_layers, stages - 1
+    chunks = virtual or 1
+    if rest % (rest_stages * chunks) or (last_stage_layers or chunks) % chunks:
+        last = last_stage_layers or "even"
+        raise ValueError(f"learner.pipeline_parallel: {layers} layers (num_hidden_layers) do not split evenly over "
+                         f"{stages} stages x {chunks} virtual stages (last stage: {last})")  # fmt: skip
+    return dict(
+        pipeline_model_parallel_size=stages,
+        virtual_pipeline_model_parallel_size=virtual,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
+        # RL micro-batches are packed to different lengths: stages exchange each activation's shape first.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # Megatron checks it even for dense models; MoE models use it anyway
+        # Batched p2p needs NCCL's coalescing; gloo sends and receives one by one.
+        batch_p2p_comm=torch.cuda.is_available(),
+    )
+
+
+def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32,
+                       last_stage_layers: int | None = None) -> TransformerConfig:  # fmt: skip
+    """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
     `params_dtype` float32 (the default) keeps master weights in the model so a plain torch AdamW
     updates them; bfloat16 computes in bf16 (used by the GPU throughput benchmark).
@@ -122,6 +159,10 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         attention_dropout=0.0,
         hidden_dropout=0.0,
         tensor_model_parallel_size=tp_size,
+        pipeline_dtype=params_dtype,
+        # The policy loss is normalised over the whole global step already (invariant 6): Megatron's schedules
+        # must not divide it again by token or micro-batch counts.
+        calculate_per_token_loss=True,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         # On CPU the weights must be created on the host; the GPU path allocates them on the device directly.
@@ -134,11 +175,11 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        **moe,
+        **(_pipeline_fields(hf_config, last_stage_layers) | moe),
     )
 
 
-def _layer_spec(config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+def _layer_spec(config: TransformerConfig, vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
     """The local layer spec with our core attention; MoE models also get norms that allow sequence parallelism."""
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")  # fmt: skip
@@ -151,32 +192,53 @@ def _layer_spec(config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmo
     if config.qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     # A block spec, because a bare layer spec gets Megatron's default final norm, which refuses sequence parallel.
-    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelRMSNorm)
+    layers = get_num_layers_to_build(config, vp_stage)  # this chunk's layers only
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelRMSNorm)
 
 
-def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """Build the (randomly initialised) Megatron GPTModel shard for `hf_config`; see the module docstring."""
-    config = transformer_config(hf_config, params_dtype)
+def build_model_chunks(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32,
+                       last_stage_layers: int | None = None) -> list[GPTModel]:  # fmt: skip
+    """This rank's model chunks, in virtual-stage order (one without virtual stages); see the module docstring."""
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if virtual is None:
+        return [build_gpt_model(hf_config, params_dtype, None, last_stage_layers)]
+    return [build_gpt_model(hf_config, params_dtype, stage, last_stage_layers) for stage in range(virtual)]
+
+
+def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
+                    last_stage_layers: int | None = None) -> GPTModel:  # fmt: skip
+    """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`; see the module docstring."""
+    config = transformer_config(hf_config, params_dtype, last_stage_layers)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config),
+        transformer_layer_spec=_layer_spec(config, vp_stage),
         vocab_size=hf_config["vocab_size"],
         max_sequence_length=hf_config["max_position_embeddings"],
-        pre_process=True,
-        post_process=True,
+        # The embedding lives on the first (virtual) stage, the output layer and loss on the last.
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         # Each TP rank keeps its vocabulary shard of the logits: the loss is computed vocab-parallel.
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=_rope_theta(hf_config),
+        vp_stage=vp_stage,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
 
 
-def allreduce_tp_partial_grads(model: GPTModel) -> None:
+Chunks = torch.nn.Module | Sequence[torch.nn.Module]  # one model, or this rank's pipeline chunks
+
+
+def _named_parameters(chunks: Chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    for chunk in [chunks] if isinstance(chunks, torch.nn.Module) else chunks:
+        yield from chunk.named_parameters()
+
+
+def allreduce_tp_partial_grads(chunks: Chunks) -> None:
     """Sum, over the tensor-parallel group, the gradients that each TP rank only holds a partial sum of.
 
     - Qwen3's q/k layernorm weights are replicated on every TP rank but applied to each attention head, and a
@@ -191,7 +253,7 @@ def allreduce_tp_partial_grads(model: GPTModel) -> None:
         return
     grads = [
         p.grad
-        for name, p in model.named_parameters()
+        for name, p in _named_parameters(chunks)
         if p.grad is not None
         and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)
     ]
@@ -208,7 +270,7 @@ def is_expert_parameter(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def allreduce_data_parallel_grads(model: GPTModel) -> None:
+def allreduce_data_parallel_grads(chunks: Chunks) -> None:
     """Sum each gradient over the ranks that hold the same parameter but ran different tokens.
 
     Dense parameters are summed over the data-parallel group. Expert weights are summed over the
@@ -218,7 +280,7 @@ def allreduce_data_parallel_grads(model: GPTModel) -> None:
     Call after `allreduce_tp_partial_grads`; groups of one rank are skipped.
     """
     dense, experts = [], []
-    for name, p in model.named_parameters():
+    for name, p in _named_parameters(chunks):
         if p.grad is not None:
             (experts if is_expert_parameter(name) else dense).append(p.grad)
     for grads, group in (
@@ -230,17 +292,38 @@ def allreduce_data_parallel_grads(model: GPTModel) -> None:
                 dist.all_reduce(grad, group=group)
 
 
-def global_grad_norm(model: GPTModel) -> float:
+def allreduce_tied_embedding_grads(chunks: Chunks) -> None:
+    """Sum the gradients of a tied embedding held by both the first and the last pipeline stage.
+
+    With `tie_word_embeddings` and pipeline parallelism the last stage keeps its own copy of the embedding as the
+    output layer (Megatron marks it `shared`); the two copies stay equal only if both apply the summed gradient.
+    Call after `allreduce_data_parallel_grads`; a no-op without pipeline parallelism or tying.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not parallel_state.is_rank_in_embedding_group():
+        return
+    models = [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
+    tied = [m.shared_embedding_or_output_weight() for m in (models[0], models[-1])
+            if m.share_embeddings_and_output_weights and (m.pre_process or m.post_process)]  # fmt: skip
+    for weight in dict.fromkeys(tied):  # one chunk may hold both ends (a single stage of a virtual pipeline)
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+
+def global_grad_norm(chunks: Chunks) -> float:
     """L2 norm of the whole model's gradient, identical on every rank; call after the all-reduces above.
 
     Dense TP-sharded gradients hold disjoint pieces (their squares are summed over the TP group);
     replicated dense ones are whole on every rank (counted once); expert gradients are whole experts,
     distinct across the expert-parallel group (summed over it) and repeated on TP peers (counted once).
+    Pipeline stages hold disjoint layers (summed over the pipeline group); the last stage's copy of a tied
+    embedding is not counted again.
     """
-    device = next(model.parameters()).device
+    params = list(_named_parameters(chunks))
+    device = params[0][1].device
     sharded, replicated, experts = (torch.zeros((), device=device) for _ in range(3))
-    for name, p in model.named_parameters():
-        if p.grad is None:
+    for name, p in params:
+        if p.grad is None or getattr(p, "shared", False):
             continue
         square = p.grad.float().pow(2).sum()
         if is_expert_parameter(name):
@@ -253,4 +336,7 @@ def global_grad_norm(model: GPTModel) -> float:
         dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
-    return float((sharded + replicated + experts).sqrt())
+    total = sharded + replicated + experts
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(total.sqrt())

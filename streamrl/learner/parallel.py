@@ -1,11 +1,13 @@
 """torch.distributed + Megatron model-parallel setup for one learner process.
 
 Contract: every learner rank calls `init_parallel(...)` once with the same `world_size`, `tensor_parallel`,
-`master_addr`, `master_port`, `timeout_s`, `seed` and `expert_parallel`; afterwards Megatron's `parallel_state`
-holds the tensor-parallel groups (the remaining factor of `world_size` is data parallel), the expert-parallel
-groups (`expert_parallel` ranks split a MoE model's experts; they are carved out of the data-parallel x
-tensor-parallel ranks with expert tensor parallelism 1, see `streamrl.learner.moe`) and the model-parallel RNG
-tracker is seeded, so `streamrl.learner.model.build_gpt_model` can run. The backend is NCCL when CUDA is
+`master_addr`, `master_port`, `timeout_s`, `seed`, `expert_parallel`, `pipeline_parallel` and `virtual_stages`;
+afterwards Megatron's `parallel_state` holds the tensor-parallel groups, the pipeline groups (`pipeline_parallel`
+stages, each holding `virtual_stages` model chunks when that is > 1: Megatron's interleaved schedule), the
+data-parallel groups (the remaining factor of `world_size`), the expert-parallel groups (`expert_parallel` ranks
+split a MoE model's experts; they are carved out of one stage's data-parallel x tensor-parallel ranks with expert
+tensor parallelism 1, see `streamrl.learner.moe`) and the model-parallel RNG tracker is seeded, so
+`streamrl.learner.model.build_model_chunks` can run. The backend is NCCL when CUDA is
 available and gloo otherwise (with the CPU patches of `streamrl.learner.cpu_compat`). Every collective,
 including the rendezvous, fails after `timeout_s` instead of hanging. `destroy_parallel()` undoes it all and is
 safe to call when nothing was initialised.
@@ -33,13 +35,22 @@ def init_parallel(
     timeout_s: float,
     seed: int,
     expert_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_stages: int = 1,
 ) -> None:
     """Initialise torch.distributed, Megatron's model-parallel groups and the model-parallel RNG seed."""
     if tensor_parallel < 1 or world_size % tensor_parallel:
         raise ValueError(f"tensor_parallel: {tensor_parallel} must be >= 1 and divide world_size {world_size}")
-    # Experts are whole on each rank (expert TP 1), so any divisor of the world can split them.
-    if expert_parallel < 1 or world_size % expert_parallel:
-        raise ValueError(f"expert_parallel: {expert_parallel} must be >= 1 and divide world_size {world_size}")
+    if pipeline_parallel < 1 or world_size % (tensor_parallel * pipeline_parallel):
+        raise ValueError(f"pipeline_parallel: {pipeline_parallel} x tensor_parallel {tensor_parallel} must divide "
+                         f"world_size {world_size}")  # fmt: skip
+    if virtual_stages < 1 or (virtual_stages > 1 and pipeline_parallel == 1):
+        raise ValueError(f"virtual_stages: {virtual_stages} must be >= 1, and 1 without pipeline parallelism")
+    # Experts are whole on each rank (expert TP 1), so any divisor of one stage's ranks can split them.
+    stage_ranks = world_size // pipeline_parallel
+    if expert_parallel < 1 or stage_ranks % expert_parallel:
+        raise ValueError(f"expert_parallel: {expert_parallel} must be >= 1 and divide the {stage_ranks} ranks of a "
+                         "pipeline stage")  # fmt: skip
     if dist.is_initialized():
         raise RuntimeError("init_parallel: torch.distributed is already initialised; call destroy_parallel first")
     apply_cpu_compat()
@@ -57,6 +68,8 @@ def init_parallel(
     )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_stages if virtual_stages > 1 else None,
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=1,
         # Megatron's groups get the same bound as the default group (it converts minutes to a timedelta).

@@ -1,11 +1,13 @@
-"""One learner rank: a Megatron GPTModel shard that trains on groups from the Redis stream.
+"""One learner rank: the Megatron GPTModel chunks of its pipeline stage, trained on groups from the Redis stream.
 
 Per `step()`: rank 0 reads and admits `groups_per_step` groups (dropping, and counting, groups
 whose oldest token is more than `max_staleness` versions behind) and broadcasts their wire bytes to
-every rank; each data-parallel rank runs its micro-batches (forward recomputes log-probs, PPO-clip
-loss with truncated IS, backward), gradients are summed over data-parallel ranks, clipped by the
-global norm and applied. Only after every rank has stepped does rank 0 commit (ack + record ids).
-`export_weights()` streams the full model in HF names, tensor by tensor, packed into buckets.
+every rank; each data-parallel replica runs its micro-batches through Megatron's schedule
+(`streamrl.learner.pipeline`: forward recomputes log-probs, the last stage computes the policy loss,
+backward), gradients are summed over data-parallel ranks, clipped by the global norm and applied.
+Only after every rank has stepped does rank 0 (first stage) commit (ack + record ids).
+`publish()` streams each stage's layers in HF names, tensor by tensor, packed into buckets: the first
+rank of every pipeline stage sends its own stage to the engines (no funnel through one rank).
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ from streamrl.config import Config
 from streamrl.learner import checkpoint
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
-from streamrl.learner.logprobs import microbatch_logprobs, token_logprobs
 from streamrl.learner.model import (
     allreduce_data_parallel_grads,
+    allreduce_tied_embedding_grads,
     allreduce_tp_partial_grads,
-    build_gpt_model,
+    build_model_chunks,
     global_grad_norm,
 )
 from streamrl.learner.parallel import init_parallel
 from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
+from streamrl.learner.pipeline import run_microbatches
 from streamrl.loss.grpo import PolicyLossStats, policy_loss
 from streamrl.net import free_port
 from streamrl.queue.admission import lag_histogram, split_by_staleness
@@ -54,15 +57,20 @@ class LearnerWorker:
         self.config, self.rank = config, rank
         torch.set_num_threads(1)  # ranks share the machine's cores with the engines
         apply_cpu_compat()
-        init_parallel(rank, world_size, config.learner.tensor_parallel, master_addr, master_port,
-                      config.learner.collective_timeout_s, config.run.seed, config.learner.expert_parallel)  # fmt: skip
+        learner = config.learner
+        init_parallel(rank, world_size, learner.tensor_parallel, master_addr, master_port,
+                      learner.collective_timeout_s, config.run.seed, learner.expert_parallel,
+                      learner.pipeline_parallel, learner.virtual_stages)  # fmt: skip
         self.ps = parallel_state
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
-        self.model = build_gpt_model(self.hf_config)
-        load_hf_weights(self.model, hf_state, self.hf_config)
-        self.device = next(self.model.parameters()).device
+        self.chunks = build_model_chunks(self.hf_config, last_stage_layers=learner.last_stage_layers)
+        for chunk in self.chunks:
+            load_hf_weights(chunk, hf_state, self.hf_config)
+        self.params = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.device = self.params[0].device
+        self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas,
+        self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=opt.betas,
                                            weight_decay=opt.weight_decay)  # fmt: skip
         self.version = 0  # policy version of the current weights: number of optimizer steps taken
         self.consumer: TrajectoryConsumer | None = None
@@ -124,25 +132,29 @@ class LearnerWorker:
         return [decode_group(blob, limit) for blob in msgpack.unpackb(buffer.numpy().tobytes())]
 
     # -- training ---------------------------------------------------------------------------------
-    def _microbatch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, PolicyLossStats]:
-        logp = microbatch_logprobs(self.model, mb)  # packed: each sequence attends only to itself
+    def _microbatch_loss(self, logp: torch.Tensor, mb: MicroBatch
+                         ) -> tuple[torch.Tensor, tuple[float, PolicyLossStats]]:  # fmt: skip
+        """Last stage: the policy loss of one micro-batch from its per-token log-probs (packed: each sequence
+        attended only to itself), and for the metrics its value and statistics."""
         as_t = lambda array: torch.from_numpy(array).to(logp.device)  # micro-batches are built on the host
         weight = as_t(mb.loss_weight)
         # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
         # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.
-        loss = self.config.loss
-        return policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), weight,
-                           loss.clip_eps, loss.importance_cap, loss.policy_loss, loss.importance_level,
-                           as_t(mb.cu_seqlens))  # fmt: skip
+        cfg = self.config.loss
+        loss, stats = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), weight,
+                                  cfg.clip_eps, cfg.importance_cap, cfg.policy_loss, cfg.importance_level,
+                                  as_t(mb.cu_seqlens))  # fmt: skip
+        return loss, (float(loss.detach()), stats)
 
     def _clip_and_reduce_grads(self) -> float:
         """Complete every gradient (TP partial sums, then data/expert-data-parallel sums), clip by the global norm."""
-        allreduce_tp_partial_grads(self.model)
-        allreduce_data_parallel_grads(self.model)
-        norm = global_grad_norm(self.model)
+        allreduce_tp_partial_grads(self.chunks)
+        allreduce_data_parallel_grads(self.chunks)
+        allreduce_tied_embedding_grads(self.chunks)
+        norm = global_grad_norm(self.chunks)
         coeff = self.config.optimizer.grad_clip / (norm + 1e-6)
         if coeff < 1.0:
-            for p in self.model.parameters():
+            for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coeff)
         return norm
@@ -157,24 +169,26 @@ class LearnerWorker:
         microbatches = plan_rank(groups, self.ps.get_data_parallel_world_size(), self.ps.get_data_parallel_rank(),
                                  batching.max_tokens_per_microbatch, self.config.loss.normalization,
                                  cost_model(batching, self.hf_config))  # fmt: skip
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         timer = StepTimer(self.device)
         totals = np.zeros(7)
         with timer.phase("forward_backward"):
-            for mb in microbatches:
-                loss, stats = self._microbatch_loss(mb)
-                loss.backward()
-                totals += [float(loss), stats.tokens, stats.clipped, stats.truncated, stats.importance_weight,
-                           stats.behaviour_kl, 0.0]  # fmt: skip
+            for loss, stats in run_microbatches(self.chunks, microbatches, self._microbatch_loss):
+                totals += [loss, stats.tokens, stats.clipped, stats.truncated,
+                           stats.importance_weight, stats.behaviour_kl, 0.0]  # fmt: skip
         with timer.phase("grad_reduce"):
             grad_norm = self._clip_and_reduce_grads()
         with timer.phase("optimizer"):
             self.optimizer.step()
-        # TP peers run the same sequences: count their FLOPs once per data-parallel rank.
-        totals[6] = training_flops(flops_cost_model(self.hf_config), microbatches)
+        # TP peers run the same sequences, and every stage sees every micro-batch: count the FLOPs once per
+        # data-parallel replica, on its last stage (which also holds the loss statistics).
+        if self.last_stage:
+            totals[6] = training_flops(flops_cost_model(self.hf_config), microbatches)
         reduced = torch.from_numpy(totals)
         dist.all_reduce(reduced, group=self.ps.get_data_parallel_group())  # also: every DP rank has stepped
+        dist.all_reduce(reduced, group=self.ps.get_pipeline_model_parallel_group())  # the last stage's to rank 0
         peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         dist.barrier()  # every rank has applied its update before the data is acked
@@ -224,18 +238,23 @@ class LearnerWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
+    def is_publisher(self) -> bool:
+        """Whether this rank sends its pipeline stage's weights: the first rank of each stage."""
+        return self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.get_data_parallel_rank() == 0
+
     def open_weight_group(self, host: str, port: int, world_size: int, generation: int) -> None:
-        """Rank 0 becomes the publisher (rank 0) of a new weight group; a previous one is dropped."""
-        if self.rank == 0:
+        """A publisher becomes rank 0 (the sender) of a new weight group for its stage; a previous one is dropped."""
+        if self.is_publisher():
             self.weights = WeightGroup(host, port, 0, world_size, generation, self.config.train.publish_timeout_s,
                                        device=self.config.run.device)  # fmt: skip
 
     def publish(self, version: int) -> dict[str, float]:
-        """All ranks stream the model in HF names (TP shards gathered, cast to the engine dtype);
-        rank 0 sends it bucket by bucket to every engine. Never materialises the whole model, except
-        with `train.publish_lag` (an ablation knob) which keeps that many past versions to send instead."""
+        """All ranks stream their stage in HF names (TP shards and EP experts gathered, cast to the engine dtype);
+        each stage's publisher sends it bucket by bucket to every engine, all stages at once. Never
+        materialises a whole stage, except with `train.publish_lag` (an ablation knob) which keeps that many
+        past versions to send instead."""
         dtype = _DTYPES[self.config.rollout.dtype]
-        named = ((name, tensor.to(dtype)) for name, tensor in stream_hf_weights(self.model, self.hf_config))
+        named = ((name, tensor.to(dtype)) for name, tensor in stream_hf_weights(self.chunks, self.hf_config))
         lag = self.config.train.publish_lag
         if lag:
             self._past_versions.append((version, [(name, tensor.clone()) for name, tensor in named]))
@@ -243,26 +262,26 @@ class LearnerWorker:
                 self._past_versions.popleft()
             version, past = self._past_versions[0]
             named = iter(past)
-        if self.rank != 0:
-            for _ in named:  # drive the TP gathers this rank takes part in
+        if not self.is_publisher():
+            for _ in named:  # drive the TP / EP gathers this rank takes part in
                 pass
             return {}
         if self.weights is None:
             raise RuntimeError("learner: publish before open_weight_group")
         stats = self.weights.publish(version, named, self.config.train.publish_bucket_bytes)
-        return {"perf/publish_gbps": stats.gbps, "perf/publish_buckets": stats.buckets,
+        return {"perf/publish_seconds": stats.seconds, "perf/publish_buckets": stats.buckets,
                 "perf/publish_bytes": stats.bytes, "train/published_version": version}  # fmt: skip
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> str:
         """All ranks: save model, optimizer, RNG and version as `step` under run.dir/checkpoints; returns the path."""
         root = checkpoint.checkpoint_root(self.config.run.dir)
-        return str(checkpoint.save_checkpoint(root, step, self.version, self.model, self.optimizer,
+        return str(checkpoint.save_checkpoint(root, step, self.version, self.chunks, self.optimizer,
                                               checkpoint.config_hash(self.config)))  # fmt: skip
 
     def load_checkpoint(self, path: str) -> int:
         """All ranks: restore what `save_checkpoint` saved at `path` (the layout may differ); returns its step."""
-        meta = checkpoint.load_checkpoint(Path(path), self.model, self.optimizer)
+        meta = checkpoint.load_checkpoint(Path(path), self.chunks, self.optimizer)
         self.version, self.resumed_step = meta.version, meta.step
         return meta.step
 
@@ -271,9 +290,17 @@ class LearnerWorker:
         return self.resumed_step
 
     def logprobs(self, input_ids: list[int], labels: list[int]) -> list[float]:
-        """Log-prob of each label under the current weights (parity checks); all ranks must call it."""
-        ids = torch.tensor([input_ids], dtype=torch.int64)
-        self.model.eval()
+        """Log-prob of each label under the current weights (parity checks); all ranks must call it, and all
+        get the last stage's answer."""
+        n = len(input_ids)
+        weight = np.zeros((1, n), np.float32)
+        mb = MicroBatch(np.array([input_ids], np.int64), np.array([labels], np.int64), np.arange(n)[None], weight,
+                        weight, weight, np.array([0, n], np.int32))  # fmt: skip
+        for chunk in self.chunks:
+            chunk.eval()
         with torch.no_grad():
-            logp = token_logprobs(self.model, ids, torch.arange(len(input_ids))[None], torch.tensor([labels]))
-        return logp[0].tolist()
+            logp = run_microbatches(self.chunks, [mb], lambda lp, _: (lp.sum(), lp), forward_only=True)
+        out = logp[0][0].contiguous() if logp else torch.empty(n, device=self.device)
+        dist.broadcast(out, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                       group=self.ps.get_pipeline_model_parallel_group())  # fmt: skip
+        return out.tolist()

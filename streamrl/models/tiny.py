@@ -53,13 +53,13 @@ def build_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _hf_config(arch: str, preset: str, seed_dtype: str):
+def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, tie_word_embeddings: bool):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    shape = dict(PRESETS[preset])
+    shape = dict(PRESETS[preset]) | ({"num_hidden_layers": num_layers} if num_layers else {})
     common = dict(
         vocab_size=VOCAB_SIZE, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=2, eos_token_id=4, pad_token_id=0, dtype=seed_dtype,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=2, eos_token_id=4, pad_token_id=0, dtype=seed_dtype,
         **shape,
     )
     if arch == "qwen3":
@@ -74,8 +74,12 @@ def _hf_config(arch: str, preset: str, seed_dtype: str):
     return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
 
 
-def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-initialised model, tokenizer and chat template to `out_dir`; return the path."""
+def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,
+                     num_layers: int | None = None, tie_word_embeddings: bool = False) -> Path:  # fmt: skip
+    """Write a random-initialised model, tokenizer and chat template to `out_dir`; return the path.
+
+    `num_layers` overrides the preset's layer count (pipeline stages need several); `tie_word_embeddings` shares
+    the embedding with the output layer."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +90,9 @@ def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "ti
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = _hf_config(arch, preset, "float32")
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers: {num_layers} must be >= 1")
+    config = _hf_config(arch, preset, "float32", num_layers, tie_word_embeddings)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     (out / "tokenizer.json").write_text(build_tokenizer_json())

@@ -2,9 +2,9 @@
 
 `Cluster` is a context manager. On enter it starts (or connects to) Redis, starts local Ray
 (dashboard off) or joins `RAY_ADDRESS`, creates engines and learner ranks, waits for them
-(bounded), forms the weight group (learner rank 0 publishes, engines receive) and starts every
-engine's generation loop. On exit it stops the loops, kills the actors it created, shuts Ray down
-and stops the Redis server it started.
+(bounded), forms the weight groups (one per pipeline stage: the stage's first learner rank publishes its
+layers, every engine receives from every stage) and starts every engine's generation loop. On exit it stops
+the loops, kills the actors it created, shuts Ray down and stops the Redis server it started.
 
 Faults: an engine whose actor died (found by a failed publish or a finished loop) is dropped; the
 weight group is rebuilt for the survivors (a new generation) and the publish is retried, so one
@@ -34,6 +34,7 @@ class Cluster:
         self.engines: list[Any] = []  # slot i holds the actor of engine i (replaced on restart)
         self.engine_loops: list[Any] = []
         self.learners: list[Any] = []
+        self.publishers: list[Any] = []  # the learner ranks that send weights: the first of each pipeline stage
         self.weight_generation = 0
         self.weight_group_stale = True
         self.engines_restarted = 0
@@ -69,13 +70,15 @@ class Cluster:
         gpus = 1 if config.run.device == "cuda" else 0
         self._engine_cls = ray.remote(RolloutWorker).options(num_cpus=0, num_gpus=gpus, max_concurrency=8)
         learner_cls = ray.remote(LearnerWorker).options(num_cpus=0, num_gpus=gpus)
-        world = config.learner.tensor_parallel * config.learner.data_parallel
+        world = config.learner.world_size
         port = config.learner.master_port or free_port()
         self.engines = [self._new_engine(i) for i in range(config.rollout.engines)]
         self.learners = [learner_cls.remote(config, r, world, "127.0.0.1", port, self.redis_url, self.redis_password)
                          for r in range(world)]  # fmt: skip
         self.get([e.ready.remote() for e in self.engines], config.rollout.start_timeout_s, "engine start-up")
         self.get([r.ready.remote() for r in self.learners], config.learner.step_timeout_s, "learner start-up")
+        publishing = self.get([r.is_publisher.remote() for r in self.learners], 60, "learner roles")
+        self.publishers = [r for r, publishes in zip(self.learners, publishing, strict=True) if publishes]
         self.announce_version(0)
         self.form_weight_group()
         self.engine_loops = [e.run.remote() for e in self.engines]
@@ -94,12 +97,13 @@ class Cluster:
 
     # -- weights ----------------------------------------------------------------------------------
     def form_weight_group(self) -> None:
-        """A new weight group: learner rank 0 publishes to every live engine (collective set-up)."""
+        """New weight groups, one per pipeline stage: its publisher sends to every live engine (collective set-up)."""
         self.weight_generation += 1
-        host, port = self.get([self.learners[0].weight_group_address.remote()], 60, "weight group address")[0]
+        addresses = self.get([p.weight_group_address.remote() for p in self.publishers], 60, "weight group address")
         world = len(self.engines) + 1
-        refs = [self.learners[0].open_weight_group.remote(host, port, world, self.weight_generation)]
-        refs += [e.join_weight_group.remote(host, port, i + 1, world, self.weight_generation)
+        refs = [p.open_weight_group.remote(host, port, world, self.weight_generation)
+                for p, (host, port) in zip(self.publishers, addresses, strict=True)]  # fmt: skip
+        refs += [e.join_weight_groups.remote(addresses, i + 1, world, self.weight_generation)
                  for i, e in enumerate(self.engines)]  # fmt: skip
         self.get(refs, self.config.train.publish_timeout_s, f"weight group {self.weight_generation} set-up")
         self.weight_group_stale = False
@@ -114,7 +118,8 @@ class Cluster:
             receives = [e.receive_weights.remote() for e in self.engines]
             sends = [rank.publish.remote(version) for rank in self.learners]
             try:
-                stats = self.get(sends, self.config.train.publish_timeout_s, f"publish of version {version}")[0]
+                stats = _merge_publish_stats(self.get(sends, self.config.train.publish_timeout_s,
+                                                      f"publish of version {version}"))  # fmt: skip
                 running = self.get(receives, self.config.train.publish_timeout_s, f"engines applying {version}")
             except (ray.exceptions.RayError, TimeoutError) as exc:
                 if not self.replace_dead_engines() or attempt == 2:
@@ -202,3 +207,14 @@ class Cluster:
             ray.shutdown()
         if self.redis is not None:
             self.redis.stop()
+
+
+def _merge_publish_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One publish's metrics from its stage publishers (other ranks report nothing); the stages send at once."""
+    stages = [stats for stats in per_rank if stats]
+    seconds = max(stats["perf/publish_seconds"] for stats in stages)
+    total = sum(stats["perf/publish_bytes"] for stats in stages)
+    return {"perf/publish_gbps": total / max(seconds, 1e-9) / 1e9, "perf/publish_bytes": total,
+            "perf/publish_buckets": sum(stats["perf/publish_buckets"] for stats in stages),
+            "perf/publish_stages": len(stages),
+            "train/published_version": stages[0]["train/published_version"]}  # fmt: skip

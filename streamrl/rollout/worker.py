@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ from streamrl.rewards import build_reward
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.prompts import Prompt, PromptSource
 from streamrl.types import Trajectory, TrajectoryGroup
-from streamrl.weights.transport import WeightGroup
+from streamrl.weights.transport import WeightGroup, receive_stages
 
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
 
@@ -61,7 +61,7 @@ class RolloutWorker:
         self._pending_lock = threading.Lock()
         self._loop_running = threading.Event()
         self._stop = threading.Event()
-        self.weights: WeightGroup | None = None
+        self.weights: list[WeightGroup] = []  # one group per learner pipeline stage
         self.groups_pushed = self.tokens_generated = self.versions_applied = 0
         self.backpressure_s = 0.0
 
@@ -162,16 +162,22 @@ class RolloutWorker:
         return future.result(timeout=timeout_s)
 
     # -- weights ----------------------------------------------------------------------------------
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, generation: int) -> None:
-        """Become receiver `rank` of a new weight group (collective with the publisher's side)."""
-        self.weights = WeightGroup(host, port, rank, world_size, generation, self.config.train.publish_timeout_s,
-                                   device=self.config.run.device)  # fmt: skip
+    def join_weight_groups(self, addresses: list[tuple[str, int]], rank: int, world_size: int, generation: int) -> None:
+        """Become receiver `rank` of new weight groups, one per learner pipeline stage at `addresses` (collective
+        with the publishers' side; the stores may wait for each other, so they are joined concurrently)."""
+        timeout, device = self.config.train.publish_timeout_s, self.config.run.device
+
+        def join(address: tuple[str, int]) -> WeightGroup:
+            return WeightGroup(address[0], address[1], rank, world_size, generation, timeout, device)
+
+        with ThreadPoolExecutor(len(addresses)) as pool:
+            self.weights = list(pool.map(join, addresses))
 
     def receive_weights(self) -> int:
         """Receive one whole version, have the loop apply it between steps; returns the version running."""
-        if self.weights is None:
+        if not self.weights:
             raise RuntimeError(f"{self.engine_id}: not in a weight group")
-        version, tensors = self.weights.receive()
+        version, tensors = receive_stages(self.weights)
         future: Future[int] = Future()
         with self._pending_lock:
             self._pending = (version, tensors, future)

@@ -13,13 +13,18 @@ GPU, NCCL's stream waits for the packing copies queued before each broadcast, so
 Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging (invariant 4).
 Receivers stage the whole version before returning it, so a broken publish never reaches the model
 (invariant 3).
+
+Pipeline-parallel learners publish every stage at once, each stage's first rank over its own group;
+`receive_stages(groups)` receives from all of them concurrently and returns one version only if every
+stage delivered the same one.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -137,3 +142,15 @@ class WeightGroup:
                 staged += unpack(buffer, manifest)
                 return version, staged
         raise AssertionError("itertools.count() is endless")
+
+
+def receive_stages(groups: Sequence[WeightGroup]) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    """Receive one whole version from every stage's group at once; all stages must send the same version."""
+    if len(groups) == 1:
+        return groups[0].receive()
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="weights-stage") as pool:
+        parts = list(pool.map(WeightGroup.receive, groups))  # re-raises the first stage's failure
+    versions = [version for version, _ in parts]
+    if len(set(versions)) != 1:
+        raise ValueError(f"weights: pipeline stages sent different versions {versions}")
+    return versions[0], [named for _, tensors in parts for named in tensors]

@@ -1,0 +1,75 @@
+"""One step's micro-batches through this rank's model chunks, scheduled by Megatron (with or without a pipeline).
+
+Contract: `run_microbatches(chunks, microbatches, loss_fn, forward_only=False) -> list[R]`.
+- Every rank of a pipeline passes the same micro-batches in the same order (the plan is deterministic).
+- Without pipeline parallelism this is Megatron's no-pipelining loop (forward then backward per micro-batch);
+  with it the 1F1B schedule, or the interleaved one when each rank holds several virtual-stage chunks. Packed
+  micro-batches differ in length, so stages exchange each activation's shape before it (`variable_seq_lengths`).
+  The interleaved schedule needs a micro-batch count that is a multiple of the pipeline size: the list is padded
+  with filler micro-batches (one zero-weight token each).
+- On the last stage `loss_fn(logp, mb)` receives micro-batch `mb`'s float32 per-token log-probs `[1, T]` and
+  returns `(loss, result)`. The loss is back-propagated exactly as returned - it is already normalised over the
+  global step (invariant 6) - and the results come back in micro-batch order. Other stages return `[]`.
+- `forward_only` skips the backward (evaluation); gradients are left untouched.
+Gradient reductions (tensor/data parallel, tied embeddings) are the caller's, after this returns
+(`streamrl.learner.model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from streamrl.batching.microbatch import filler_microbatch
+from streamrl.learner.logprobs import microbatch_forward
+from streamrl.types import MicroBatch
+
+R = TypeVar("R")
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, R]]
+
+
+def _padded(microbatches: Sequence[MicroBatch]) -> list[MicroBatch]:
+    """The interleaved schedule runs micro-batches in groups of `pipeline size`: pad with fillers to whole groups."""
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() is None:
+        return list(microbatches)
+    return list(microbatches) + [filler_microbatch()] * (-len(microbatches) % stages)
+
+
+def run_microbatches(chunks: Sequence[GPTModel], microbatches: Sequence[MicroBatch], loss_fn: LossFn[R],
+                     forward_only: bool = False) -> list[R]:  # fmt: skip
+    """Forward (and backward) every micro-batch through the pipeline; see the module docstring."""
+    if not microbatches:
+        raise ValueError("microbatches: a step needs at least one micro-batch per rank")
+    padded = _padded(microbatches)
+    results: list[R] = []
+
+    def forward_step(data_iterator: Any, model: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+        mb = next(data_iterator)
+        output = microbatch_forward(model, mb)
+
+        def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            logp = -per_token_loss[:, : mb.input_ids.shape[1]].float()
+            loss, result = loss_fn(logp, mb)
+            results.append(result)
+            # (loss, token count, report): Megatron's per-token form, which leaves the loss unscaled.
+            return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
+
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=[iter(padded) for _ in chunks],  # every chunk sees every micro-batch, in order
+        model=list(chunks),
+        num_microbatches=len(padded),
+        seq_length=0,  # unused: shapes travel with the activations (variable_seq_lengths)
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    return results[: len(microbatches)]
