@@ -8,6 +8,9 @@ differentiable w.r.t. the model parameters.
   `cu_seqlens[i]:cu_seqlens[i+1]`, with `position_ids` restarting at 0 in each (checked). The model runs them as
   `qkv_format='thd'` packed sequences: attention never crosses a boundary and RoPE positions restart per
   sequence, so each sequence's log-probs equal those of running it alone. No padding is processed.
+- Context parallel (CP group of c > 1 ranks): packed only. Each CP rank passes its zigzag shard of the packed row
+  (`streamrl.learner.context_parallel.shard_microbatch`): local `cu_seqlens`, true `position_ids` (checked), and
+  gets the log-probs of its own tokens; the attention all-gathers keys/values over the CP group.
 - Padded (`cu_seqlens=None`): every row is one sequence from position 0 under a causal mask, so right padding
   is harmless (its outputs are garbage for the caller to mask).
 
@@ -15,18 +18,23 @@ The model's output with labels is Megatron's per-token vocab-parallel cross-entr
 each rank only holds its vocabulary shard of the logits, so the result is identical on every TP rank and no rank
 gathers the full vocabulary. Inputs are moved to the model's device (`cu_seqlens` stays on the host: only its
 values are read). Under sequence parallelism (MoE models at TP>1) the length is padded to a multiple of TP
-internally - a trailing dummy sequence when packed, right padding otherwise, both inert for the real tokens - and
-the result trimmed back. Every TP rank of a group must call it with the same inputs. `microbatch_logprobs(model, mb)`
+(and of 2 under CP) internally - a trailing dummy sequence when packed, right padding otherwise, both inert for the
+real tokens - and the result trimmed back. Every TP rank of a group must call it with the same inputs, every CP
+rank with its shard of the same row. `microbatch_logprobs(model, mb)`
 does the same for a packed `streamrl.types.MicroBatch`. Under pipeline parallelism only the last stage has
 log-probs: `model_forward` / `microbatch_forward` return any chunk's raw output (`streamrl.learner.pipeline`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from streamrl.learner.context_parallel import zigzag_columns
 from streamrl.types import MicroBatch
 
 
@@ -36,7 +44,8 @@ def causal_attention_mask(seq_len: int, device: torch.device) -> torch.Tensor:
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> PackedSeqParams:
-    """Megatron's description of a packed row; checks `cu_seqlens` and that positions restart per sequence."""
+    """Megatron's description of a packed row (under CP: of this rank's shard of one); checks `cu_seqlens` and
+    that `position_ids` are each token's true position in its sequence."""
     cu_seqlens = cu_seqlens.to("cpu", torch.int32)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     total = position_ids.shape[1]
@@ -45,34 +54,46 @@ def packed_seq_params(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> P
             f"cu_seqlens: expected strictly increasing offsets from 0 to the packed length {total} of one row, got "
             f"{cu_seqlens.tolist()} for shape {tuple(position_ids.shape)}"
         )
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
-    if not torch.equal(position_ids[0].cpu(), torch.arange(total) - starts):
-        raise ValueError("position_ids: must restart at 0 at every cu_seqlens boundary")
+    cp_size = parallel_state.get_context_parallel_world_size()
+    # Megatron's attention and RoPE take the (padded) global boundaries; a CP shard holds 1/cp of each sequence.
+    global_cu = cu_seqlens * cp_size
+    starts = torch.repeat_interleave(global_cu[:-1].long(), lengths.long())
+    # Raises under CP unless every sequence splits into 2 * cp_size equal chunks (the zigzag shard).
+    columns = zigzag_columns(global_cu.numpy(), cp_size, parallel_state.get_context_parallel_rank())
+    if not torch.equal(position_ids[0].cpu(), torch.from_numpy(columns) - starts):
+        raise ValueError("position_ids: must be each token's position in its own sequence (restarting at 0 at every "
+                         "cu_seqlens boundary; a context-parallel shard's zigzag positions under CP)")  # fmt: skip
     # The exact longest sequence matters: Megatron builds RoPE tables of that length and applies them from 0 in
     # each sequence (it would use absolute packed positions if the table were as long as the whole row).
-    longest = int(lengths.max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+    longest = int((global_cu[1:] - global_cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=global_cu, cu_seqlens_kv=global_cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
 
 
 def _pad_for_sequence_parallel(
-    model: GPTModel, tensors: list[torch.Tensor], cu_seqlens: torch.Tensor | None
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    model: GPTModel, tensors: list[torch.Tensor], packing: PackedSeqParams | None
+) -> tuple[list[torch.Tensor], PackedSeqParams | None]:
     """Pad `[input_ids, position_ids, labels]` so sequence parallelism can split their length evenly over TP."""
     seq_len = tensors[0].shape[1]
-    pad = -seq_len % model.config.tensor_model_parallel_size if model.config.sequence_parallel else 0
+    cp_size = parallel_state.get_context_parallel_world_size()
+    # Under CP the padding is a sequence of its own on every CP rank: an even local length (two zigzag chunks).
+    multiple = math.lcm(model.config.tensor_model_parallel_size, 2 if cp_size > 1 else 1)
+    pad = -seq_len % multiple if model.config.sequence_parallel else 0
     if pad == 0:
-        return tensors, cu_seqlens
+        return tensors, packing
     input_ids, position_ids, labels = tensors
     rows = input_ids.shape[0]
     # Packed: the padding is a sequence of its own (positions from 0); unpacked: positions simply continue.
-    start = 0 if cu_seqlens is not None else seq_len
+    start = 0 if packing is not None else seq_len
     positions = torch.arange(start, start + pad, device=position_ids.device).expand(rows, pad)
     zeros = torch.zeros(rows, pad, dtype=input_ids.dtype, device=input_ids.device)
     padded = [torch.cat(pair, dim=1) for pair in ((input_ids, zeros), (position_ids, positions), (labels, zeros))]
-    if cu_seqlens is not None:
-        cu_seqlens = torch.cat([cu_seqlens.cpu(), cu_seqlens[-1:].cpu() + pad])
-    return padded, cu_seqlens
+    if packing is not None:
+        cu = torch.cat([packing.cu_seqlens_q, packing.cu_seqlens_q[-1:] + pad * cp_size])
+        longest = max(packing.max_seqlen_q, pad * cp_size)
+        packing = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                  max_seqlen_kv=longest)  # fmt: skip
+    return padded, packing
 
 
 def token_logprobs(
@@ -102,15 +123,15 @@ def model_forward(
             f"input_ids/position_ids/labels: expected equal [B, S] shapes, got "
             f"{tuple(input_ids.shape)}, {tuple(position_ids.shape)}, {tuple(labels.shape)}"
         )
+    if cu_seqlens is None and parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError("cu_seqlens: context parallelism needs a packed shard (streamrl.learner.context_parallel)")
+    packing = None if cu_seqlens is None else packed_seq_params(cu_seqlens, position_ids)
     # Batches are assembled on the host; the model may live on a GPU.
     device = next(model.parameters()).device
-    (input_ids, position_ids, labels), cu_seqlens = _pad_for_sequence_parallel(
-        model, [input_ids.to(device), position_ids.to(device), labels.to(device)], cu_seqlens
+    (input_ids, position_ids, labels), packing = _pad_for_sequence_parallel(
+        model, [input_ids.to(device), position_ids.to(device), labels.to(device)], packing
     )
-    if cu_seqlens is None:
-        mask, packing = causal_attention_mask(input_ids.shape[1], device), None
-    else:
-        mask, packing = None, packed_seq_params(cu_seqlens, position_ids)
+    mask = causal_attention_mask(input_ids.shape[1], device) if packing is None else None
     # A chunk after the first takes its input from the previous stage (`set_input_tensor`) and ignores input_ids.
     return model(input_ids, position_ids, mask, labels=labels, packed_seq_params=packing)
 

@@ -14,7 +14,7 @@ without padding. Unsupported configurations raise `ValueError` naming the field.
 
 Training with a plain torch optimizer (not Megatron's DDP) requires, after every backward and before clipping /
 the optimizer step, `allreduce_tp_partial_grads(chunks)` (TP>1), `allreduce_data_parallel_grads(chunks)`
-(data-parallel ranks, or TP>1 with experts) and, for tied embeddings split over pipeline stages,
+(data- or context-parallel ranks, or TP>1 with experts) and, for tied embeddings split over pipeline stages,
 `allreduce_tied_embedding_grads(chunks)`: see their docstrings. They take one model or this rank's chunks.
 """
 
@@ -135,6 +135,7 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
     on_cpu = not torch.cuda.is_available()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
+    cp_size = parallel_state.get_context_parallel_world_size()
     if num_experts(hf_config):
         moe = moe_config_fields(hf_config, tp_size, ep_size)
     elif ep_size > 1:
@@ -163,6 +164,9 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         # The policy loss is normalised over the whole global step already (invariant 6): Megatron's schedules
         # must not divide it again by token or micro-batch counts.
         calculate_per_token_loss=True,
+        # Context parallelism runs through our core attention (K/V all-gather), not Transformer Engine's.
+        context_parallel_size=cp_size,
+        cp_comm_type="all_gather" if cp_size > 1 else None,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         # On CPU the weights must be created on the host; the GPU path allocates them on the device directly.
@@ -273,10 +277,11 @@ def is_expert_parameter(name: str) -> bool:
 def allreduce_data_parallel_grads(chunks: Chunks) -> None:
     """Sum each gradient over the ranks that hold the same parameter but ran different tokens.
 
-    Dense parameters are summed over the data-parallel group. Expert weights are summed over the
+    Dense parameters are summed over the data-parallel group including the context-parallel ranks (each ran a
+    shard of every sequence, as Megatron's DDP does). Expert weights are summed over the
     expert-data-parallel group: the ranks holding the same experts, which (expert tensor parallelism 1) includes
-    the TP peers, each of which routed its own sequence shard, so this is needed even without data parallelism
-    when a MoE model runs at TP>1. Sums, not means: the loss is already normalised over the whole global step.
+    the TP and CP peers, each of which routed its own tokens, so this is needed even without data parallelism
+    when a MoE model runs at TP>1 or CP>1. Sums, not means: the loss is already normalised over the whole global step.
     Call after `allreduce_tp_partial_grads`; groups of one rank are skipped.
     """
     dense, experts = [], []
@@ -284,7 +289,7 @@ def allreduce_data_parallel_grads(chunks: Chunks) -> None:
         if p.grad is not None:
             (experts if is_expert_parameter(name) else dense).append(p.grad)
     for grads, group in (
-        (dense, parallel_state.get_data_parallel_group()),
+        (dense, parallel_state.get_data_parallel_group(with_context_parallel=True)),
         (experts, parallel_state.get_expert_data_parallel_group()),
     ):
         if dist.get_world_size(group) > 1:

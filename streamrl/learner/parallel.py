@@ -1,16 +1,19 @@
 """torch.distributed + Megatron model-parallel setup for one learner process.
 
 Contract: every learner rank calls `init_parallel(...)` once with the same `world_size`, `tensor_parallel`,
-`master_addr`, `master_port`, `timeout_s`, `seed`, `expert_parallel`, `pipeline_parallel` and `virtual_stages`;
-afterwards Megatron's `parallel_state` holds the tensor-parallel groups, the pipeline groups (`pipeline_parallel`
-stages, each holding `virtual_stages` model chunks when that is > 1: Megatron's interleaved schedule), the
-data-parallel groups (the remaining factor of `world_size`), the expert-parallel groups (`expert_parallel` ranks
-split a MoE model's experts; they are carved out of one stage's data-parallel x tensor-parallel ranks with expert
-tensor parallelism 1, see `streamrl.learner.moe`) and the model-parallel RNG tracker is seeded, so
-`streamrl.learner.model.build_model_chunks` can run. The backend is NCCL when CUDA is
-available and gloo otherwise (with the CPU patches of `streamrl.learner.cpu_compat`). Every collective,
-including the rendezvous, fails after `timeout_s` instead of hanging. `destroy_parallel()` undoes it all and is
-safe to call when nothing was initialised.
+`master_addr`, `master_port`, `timeout_s`, `seed`, `expert_parallel`, `context_parallel`, `pipeline_parallel` and
+`virtual_stages`; afterwards Megatron's `parallel_state` holds the tensor-parallel groups, the context-parallel
+groups (`context_parallel` ranks each run a shard of every sequence, see `streamrl.learner.context_parallel`;
+Megatron numbers ranks TP fastest, then CP), the pipeline groups (`pipeline_parallel` stages, each holding
+`virtual_stages` model chunks when that is > 1: Megatron's interleaved schedule), the data-parallel groups (the
+remaining factor of `world_size`: Megatron's data-parallel group excludes the CP ranks, its
+`with_context_parallel=True` variant includes them), the expert-parallel groups (`expert_parallel` ranks split a
+MoE model's experts; they are carved out of one stage's data x context x tensor-parallel ranks with expert tensor
+parallelism 1, see `streamrl.learner.moe`) and the model-parallel RNG tracker is seeded, so
+`streamrl.learner.model.build_model_chunks` can run. The backend is NCCL when CUDA is available and gloo otherwise
+(with the CPU patches of `streamrl.learner.cpu_compat`). Every collective, including the rendezvous, fails after
+`timeout_s` instead of hanging. `destroy_parallel()` undoes it all and is safe to call when nothing was
+initialised.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def init_parallel(
     expert_parallel: int = 1,
     pipeline_parallel: int = 1,
     virtual_stages: int = 1,
+    context_parallel: int = 1,
 ) -> None:
     """Initialise torch.distributed, Megatron's model-parallel groups and the model-parallel RNG seed."""
     if tensor_parallel < 1 or world_size % tensor_parallel:
@@ -46,6 +50,9 @@ def init_parallel(
                          f"world_size {world_size}")  # fmt: skip
     if virtual_stages < 1 or (virtual_stages > 1 and pipeline_parallel == 1):
         raise ValueError(f"virtual_stages: {virtual_stages} must be >= 1, and 1 without pipeline parallelism")
+    if context_parallel < 1 or world_size % (tensor_parallel * pipeline_parallel * context_parallel):
+        raise ValueError(f"context_parallel: {context_parallel} must be >= 1 and divide world_size {world_size} "
+                         f"/ (tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel})")  # fmt: skip
     # Experts are whole on each rank (expert TP 1), so any divisor of one stage's ranks can split them.
     stage_ranks = world_size // pipeline_parallel
     if expert_parallel < 1 or stage_ranks % expert_parallel:
@@ -70,6 +77,7 @@ def init_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_stages if virtual_stages > 1 else None,
+        context_parallel_size=context_parallel,
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=1,
         # Megatron's groups get the same bound as the default group (it converts minutes to a timedelta).
