@@ -98,7 +98,7 @@ def _step(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     mb = shard_microbatch(_microbatch(), cp_size, cp_rank)
     logp = microbatch_logprobs(model, mb)
-    as_t = torch.from_numpy
+    as_t = lambda array: torch.from_numpy(array).to(logp.device)  # the model may live on a GPU (NCCL ranks)
     loss, _ = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages),
                           as_t(mb.loss_weight), 0.2, 2.0)  # fmt: skip
     loss.backward()
@@ -109,16 +109,16 @@ def _step(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     cu_padded = mb.cu_seqlens.astype(np.int64) * cp_size
     row = torch.zeros(int(cu_padded[-1]))
-    row[torch.from_numpy(zigzag_columns(cu_padded, cp_size, cp_rank))] = logp[0].detach()
+    row[torch.from_numpy(zigzag_columns(cu_padded, cp_size, cp_rank))] = logp[0].detach().cpu()
     # Gather gradients with the weights' TP/EP layout logic by viewing each gradient as its parameter.
     params = list(model.parameters())
     saved = [p.data for p in params]
     for p in params:
         p.data = torch.zeros_like(p) if p.grad is None else p.grad  # an expert no token chose has no gradient
-    grads = {name: t.clone() for name, t in stream_hf_weights(model, hf_config)}
+    grads = {name: t.cpu().clone() for name, t in stream_hf_weights(model, hf_config)}
     for p, data in zip(params, saved, strict=True):
         p.data = data
-    return row, total, grads, norm
+    return row, total.cpu(), grads, norm
 
 
 @pytest.fixture(scope="module")
