@@ -71,8 +71,12 @@ class RolloutConfig(_Section):
 
 class LearnerConfig(_Section):
     tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size.")
-    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x PP x DP.")
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x CP x PP x DP.")
     pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline stages (1F1B schedule).")
+    context_parallel: int = Field(
+        1, ge=1, description="Ranks that split every sequence (zigzag shards; keys/values all-gathered in our "
+        "attention); world size = TP x CP x PP x DP."
+    )  # fmt: skip
     virtual_stages: int = Field(
         1, ge=1, description="Model chunks per pipeline stage (Megatron's interleaved schedule); needs "
         "pipeline_parallel > 1, and the layers must split evenly over stages x chunks."
@@ -83,8 +87,8 @@ class LearnerConfig(_Section):
     )  # fmt: skip
     expert_parallel: int = Field(
         1, ge=1, description="Megatron expert-parallel size for MoE models: the experts are split over this many "
-        "ranks (an expert is never split by TP); they come out of a pipeline stage's TP x DP ranks, so it must "
-        "divide TP x DP."
+        "ranks (an expert is never split by TP); they come out of a pipeline stage's TP x CP x DP ranks, so it "
+        "must divide TP x CP x DP."
     )  # fmt: skip
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
     collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
@@ -95,14 +99,14 @@ class LearnerConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
 
     @model_validator(mode="after")
     def _layout_is_consistent(self) -> LearnerConfig:
-        stage = self.tensor_parallel * self.data_parallel
+        stage = self.tensor_parallel * self.context_parallel * self.data_parallel
         if stage % self.expert_parallel:
             raise ValueError(f"learner.expert_parallel: {self.expert_parallel} does not divide the {stage} ranks of a "
-                             "pipeline stage (tensor_parallel x data_parallel)")  # fmt: skip
+                             "pipeline stage (tensor_parallel x context_parallel x data_parallel)")  # fmt: skip
         if self.pipeline_parallel == 1 and (self.virtual_stages > 1 or self.last_stage_layers is not None):
             field = "virtual_stages" if self.virtual_stages > 1 else "last_stage_layers"
             raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
@@ -222,6 +226,9 @@ class Config(_Section):
             )
         if self.queue.url is not None and not self.queue.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"queue.url: expected redis://, rediss:// or unix://, got {self.queue.url!r}")
+        if self.learner.context_parallel > 1 and self.loss.importance_level == "sequence":
+            # A CP rank holds only part of each sequence, so it cannot form the sequence's importance ratio alone.
+            raise ValueError("loss.importance_level: 'sequence' is not supported with learner.context_parallel > 1")
         return self
 
 

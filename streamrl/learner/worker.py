@@ -26,6 +26,7 @@ from streamrl.batching.cost import cost_model, flops_cost_model
 from streamrl.batching.microbatch import plan_rank
 from streamrl.config import Config
 from streamrl.learner import checkpoint
+from streamrl.learner.context_parallel import padded_cu_seqlens, shard_microbatch, zigzag_columns
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
 from streamrl.learner.model import (
@@ -60,7 +61,7 @@ class LearnerWorker:
         learner = config.learner
         init_parallel(rank, world_size, learner.tensor_parallel, master_addr, master_port,
                       learner.collective_timeout_s, config.run.seed, learner.expert_parallel,
-                      learner.pipeline_parallel, learner.virtual_stages)  # fmt: skip
+                      learner.pipeline_parallel, learner.virtual_stages, learner.context_parallel)  # fmt: skip
         self.ps = parallel_state
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
         self.chunks = build_model_chunks(self.hf_config, last_stage_layers=learner.last_stage_layers)
@@ -69,6 +70,8 @@ class LearnerWorker:
         self.params = [p for chunk in self.chunks for p in chunk.parameters()]
         self.device = self.params[0].device
         self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=opt.betas,
                                            weight_decay=opt.weight_decay)  # fmt: skip
@@ -165,7 +168,8 @@ class LearnerWorker:
         wait_s = time.perf_counter() - start
         groups = self._broadcast_groups(admitted)
         batching = self.config.batching
-        # Every rank plans the whole step (deterministically) and collates only its own micro-batches.
+        # Every rank plans the whole step (deterministically) and collates only its own micro-batches (the
+        # context-parallel ranks of a replica plan the same ones and each runs its shard of every sequence).
         microbatches = plan_rank(groups, self.ps.get_data_parallel_world_size(), self.ps.get_data_parallel_rank(),
                                  batching.max_tokens_per_microbatch, self.config.loss.normalization,
                                  cost_model(batching, self.hf_config))  # fmt: skip
@@ -175,19 +179,21 @@ class LearnerWorker:
         timer = StepTimer(self.device)
         totals = np.zeros(7)
         with timer.phase("forward_backward"):
-            for loss, stats in run_microbatches(self.chunks, microbatches, self._microbatch_loss):
+            shards = [shard_microbatch(mb, self.cp_size, self.cp_rank) for mb in microbatches]
+            for loss, stats in run_microbatches(self.chunks, shards, self._microbatch_loss):
                 totals += [loss, stats.tokens, stats.clipped, stats.truncated,
                            stats.importance_weight, stats.behaviour_kl, 0.0]  # fmt: skip
         with timer.phase("grad_reduce"):
             grad_norm = self._clip_and_reduce_grads()
         with timer.phase("optimizer"):
             self.optimizer.step()
-        # TP peers run the same sequences, and every stage sees every micro-batch: count the FLOPs once per
-        # data-parallel replica, on its last stage (which also holds the loss statistics).
-        if self.last_stage:
+        # TP peers run the same sequences, CP peers shards of them, and every stage sees every micro-batch: count
+        # the FLOPs once per data-parallel replica, on its last stage (which also holds the loss statistics).
+        if self.last_stage and self.cp_rank == 0:
             totals[6] = training_flops(flops_cost_model(self.hf_config), microbatches)
         reduced = torch.from_numpy(totals)
-        dist.all_reduce(reduced, group=self.ps.get_data_parallel_group())  # also: every DP rank has stepped
+        # Over the data- and context-parallel ranks (each holds the statistics of its tokens); also: all have stepped.
+        dist.all_reduce(reduced, group=self.ps.get_data_parallel_group(with_context_parallel=True))
         dist.all_reduce(reduced, group=self.ps.get_pipeline_model_parallel_group())  # the last stage's to rank 0
         peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -240,7 +246,8 @@ class LearnerWorker:
 
     def is_publisher(self) -> bool:
         """Whether this rank sends its pipeline stage's weights: the first rank of each stage."""
-        return self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.get_data_parallel_rank() == 0
+        ps = self.ps
+        return ps.get_tensor_model_parallel_rank() == ps.get_context_parallel_rank() == ps.get_data_parallel_rank() == 0
 
     def open_weight_group(self, host: str, port: int, world_size: int, generation: int) -> None:
         """A publisher becomes rank 0 (the sender) of a new weight group for its stage; a previous one is dropped."""
@@ -296,11 +303,21 @@ class LearnerWorker:
         weight = np.zeros((1, n), np.float32)
         mb = MicroBatch(np.array([input_ids], np.int64), np.array([labels], np.int64), np.arange(n)[None], weight,
                         weight, weight, np.array([0, n], np.int32))  # fmt: skip
+        shard = shard_microbatch(mb, self.cp_size, self.cp_rank)
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad():
-            logp = run_microbatches(self.chunks, [mb], lambda lp, _: (lp.sum(), lp), forward_only=True)
-        out = logp[0][0].contiguous() if logp else torch.empty(n, device=self.device)
+            logp = run_microbatches(self.chunks, [shard], lambda lp, _: (lp.sum(), lp), forward_only=True)
+        local = shard.input_ids.shape[1]
+        out = logp[0][0].contiguous() if logp else torch.empty(local, device=self.device)
         dist.broadcast(out, src=self.ps.get_pipeline_model_parallel_last_rank(),
                        group=self.ps.get_pipeline_model_parallel_group())  # fmt: skip
-        return out.tolist()
+        if self.cp_size == 1:
+            return out.tolist()
+        parts = [torch.empty_like(out) for _ in range(self.cp_size)]
+        dist.all_gather(parts, out, group=self.ps.get_context_parallel_group())
+        cu_padded = padded_cu_seqlens(mb.cu_seqlens, self.cp_size)
+        row = torch.empty(int(cu_padded[-1]), device=out.device)
+        for rank, part in enumerate(parts):  # each rank's zigzag columns back to sequence order
+            row[torch.from_numpy(zigzag_columns(cu_padded, self.cp_size, rank)).to(out.device)] = part
+        return row[:n].tolist()

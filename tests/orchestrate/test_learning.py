@@ -44,8 +44,10 @@ def test_learning(tmp_path: Path) -> None:
      # Qwen3-MoE with its 8 experts split over 2 expert-parallel (data-parallel) ranks.
      ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"],
      # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
-     ["learner.pipeline_parallel=2"]],
-    ids=["tp1", "tp2-drain", "moe-ep2", "pp2"],
+     ["learner.pipeline_parallel=2"],
+     # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
+     ["learner.context_parallel=2"]],
+    ids=["tp1", "tp2-drain", "moe-ep2", "pp2", "cp2"],
 )  # fmt: skip
 def test_logprob_parity(tmp_path: Path, layout: list[str]) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
