@@ -1,8 +1,9 @@
 """Grouped-GEMM experts compute what Megatron's per-expert loop (`SequentialMLP`) computes, forward and backward.
 
-Both modules are built from the tiny Qwen3-MoE config (float32, CPU) with the same expert weights; a batch of
-permuted tokens with uneven per-expert counts (some experts get none) must give the same output and the same
-gradients for the tokens, the routing probabilities and every expert weight, within 1e-5.
+Both modules are built from one config with the same expert weights; a batch of permuted tokens with uneven
+per-expert counts (not multiples of 8; some experts get none) must give the same output and the same gradients
+for the tokens, the routing probabilities and every expert weight: within 1e-5 on CPU (the tiny Qwen3-MoE,
+float32), and on a GPU (marked `gpu`: torch._grouped_mm's CUDA kernel) in bfloat16 and float32.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from streamrl.learner.experts import GroupedExperts
 from streamrl.learner.model import transformer_config
 
 TOKENS_PER_EXPERT = [3, 0, 5, 1, 7, 2, 0, 4]  # 8 experts of the tiny preset; two receive no token
+# A GPU-sized Qwen3-MoE layer (hidden and FFN multiples of 8, as bfloat16 grouped GEMM needs) and its group sizes.
+GPU_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 1024, "num_hidden_layers": 1,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 1024,
+           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 384, "norm_topk_prob": True}  # fmt: skip
+GPU_TOKENS_PER_EXPERT = [301, 0, 77, 1, 1029, 13, 0, 555]
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +51,17 @@ def _sequential_and_grouped(config: TransformerConfig) -> tuple[torch.nn.Module,
     return sequential, grouped
 
 
-def test_grouped_experts_match_per_expert_loop(config: TransformerConfig) -> None:
+def _compare(config: TransformerConfig, counts: list[int], error: Callable[[torch.Tensor, torch.Tensor], float],
+             tolerance: float) -> None:  # fmt: skip
+    """Run both modules on the same random permuted tokens; `error(got, expected)` of every output and gradient."""
     sequential, grouped = _sequential_and_grouped(config)
+    device, dtype = grouped.linear_fc1.weight.device, config.params_dtype
     gen = torch.Generator().manual_seed(3)
-    rows = sum(TOKENS_PER_EXPERT)
-    tokens = torch.randn(rows, config.hidden_size, generator=gen)
-    probs = torch.rand(rows, generator=gen)
-    upstream = torch.randn(rows, config.hidden_size, generator=gen)
-    tokens_per_expert = torch.tensor(TOKENS_PER_EXPERT)  # on the host, as the alltoall dispatcher hands it over
+    rows = sum(counts)
+    tokens = torch.randn(rows, config.hidden_size, generator=gen).to(device, dtype)
+    probs = torch.rand(rows, generator=gen).to(device)  # the router's probabilities are float32
+    upstream = torch.randn(rows, config.hidden_size, generator=gen).to(device, dtype)
+    tokens_per_expert = torch.tensor(counts)  # on the host, as the alltoall dispatcher hands it over
 
     results = []
     for module in (sequential, grouped):
@@ -60,15 +70,31 @@ def test_grouped_experts_match_per_expert_loop(config: TransformerConfig) -> Non
         assert bias is None
         (out * upstream).sum().backward()
         results.append((out.detach(), x.grad, p.grad))
-    for got, expected in zip(results[1], results[0], strict=True):
-        assert (got - expected).abs().max().item() < 1e-5
+    for what, got, expected in zip(("output", "token grad", "prob grad"), results[1], results[0], strict=True):
+        assert error(got, expected) < tolerance, what
 
     assert results[1][0].abs().max().item() > 0  # a real output, not an all-zero pass
     for e, expert in enumerate(sequential.local_experts):
         for name in ("linear_fc1", "linear_fc2"):
             stacked_grad = getattr(grouped, name).weight.grad[e]
-            assert (stacked_grad - getattr(expert, name).weight.grad).abs().max().item() < 1e-5, (e, name)
-            assert (stacked_grad.abs().sum().item() == 0) == (TOKENS_PER_EXPERT[e] == 0), (e, name)
+            if counts[e]:
+                assert error(stacked_grad, getattr(expert, name).weight.grad) < tolerance, (e, name)
+            else:  # an expert without tokens: a zero gradient (SequentialMLP's too), never garbage
+                assert stacked_grad.abs().sum().item() == 0, (e, name)
+
+
+def test_grouped_experts_match_per_expert_loop(config: TransformerConfig) -> None:
+    _compare(config, TOKENS_PER_EXPERT, lambda got, expected: (got - expected).abs().max().item(), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_grouped_experts_match_per_expert_loop_on_gpu(tp1_world: None, dtype: torch.dtype, tolerance: float) -> None:
+    def relative(got: torch.Tensor, expected: torch.Tensor) -> float:  # bf16 kernels round differently
+        return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+    _compare(transformer_config(GPU_MOE, params_dtype=dtype), GPU_TOKENS_PER_EXPERT, relative, tolerance)
 
 
 def test_unaligned_or_unsupported_shapes_are_rejected(config: TransformerConfig) -> None:
