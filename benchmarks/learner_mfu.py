@@ -63,18 +63,31 @@ def measured_matmul_tflops(device: torch.device) -> float:
 
 
 def profile_step(step: Callable[[], float], seconds: float, path: Path) -> str:
-    """One step under torch.profiler: its top GPU kernels by own time, and the share of the step the GPU was busy."""
+    """One step under torch.profiler: the share of the step the GPU was busy, the top GPU kernels by own time, and
+    the aten ops (forward and backward) that launched them."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    kernels = prof.key_averages()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    ops = [e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0]
     busy = sum(k.self_device_time_total for k in kernels) / 1e6
-    table = kernels.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90)
-    text = f"GPU kernel time {busy:.3f} s of a {seconds:.3f} s step ({busy / seconds:.0%} busy)\n{table}"
-    path.write_text(text)
-    return text
+
+    def top(rows: list, count: int, title: str) -> list[str]:
+        rows = sorted(rows, key=lambda e: -e.self_device_time_total)[:count]
+        return [f"{title}:", f"{'GPU ms':>9}{'share':>7}{'calls':>7}  name"] + [
+            f"{e.self_device_time_total / 1e3:>9.1f}{e.self_device_time_total / 1e6 / busy:>7.1%}{e.count:>7}  "
+            f"{e.key[:150]}"
+            for e in rows
+        ]
+
+    lines = [f"GPU kernel time {busy:.3f} s of a {seconds:.3f} s step ({busy / seconds:.0%} busy)"]
+    lines += top(kernels, 25, "top kernels") + top(ops, 25, "top ops (own kernels' time)")
+    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 def report(result: dict, shape: str) -> None:
