@@ -17,10 +17,11 @@ global experts r*E_local .. (r+1)*E_local - 1. `sharded_state_dict` saves them a
 [E, H, F] tensors under `SequentialMLP`'s checkpoint keys (`<prefix>experts.linear_fc{1,2}.weight`), sharded
 along the expert axis, so a checkpoint reloads under any expert-parallel size.
 
-Same code on CPU and GPU: `torch._grouped_mm` has a CUDA kernel (Hopper, bf16) and a CPU implementation (one
-matmul per group, any float dtype) behind the same op and autograd formula. Its alignment rule, checked at
-construction: row strides a multiple of 16 bytes, i.e. hidden size and expert FFN size multiples of 8 elements
-(bf16) or 4 (fp32). Group sizes need no alignment and may be 0 (an expert no token chose gets a zero gradient).
+Same code on CPU and GPU: `torch._grouped_mm` is one op with one autograd formula; torch 2.13's CPU build runs
+it as a matmul per group (any float dtype), torch 2.11 on Hopper as a CUTLASS grouped GEMM in bf16, and float32
+there too (both checked against the per-expert loop by tests/learner/test_experts.py). Its alignment rule,
+checked at construction: row strides a multiple of 16 bytes, i.e. hidden size and expert FFN size multiples of 8
+elements (bf16) or 4 (fp32). Group sizes need no alignment and may be 0 (such an expert gets a zero gradient).
 """
 
 from __future__ import annotations
