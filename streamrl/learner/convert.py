@@ -4,15 +4,16 @@ Contract (all conversions are pure reindexing - views, cat, chunk - so a round t
 - `hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, ep_rank, ep_size)` returns this tensor- and
   expert-parallel rank's shard of every Megatron parameter, keyed by the `GPTModel.state_dict()` names (no
   `_extra_state`), ready for `model.load_state_dict(..., strict=False)`.
-- `megatron_to_hf(mcore_state, hf_config)` takes FULL Megatron tensors (unsharded, and named as at EP=1: expert
-  e is `local_experts.e`) and yields HF `(name, tensor)` pairs tensor by tensor; each Megatron tensor converts on
-  its own, so a lazy mapping or the stream of `gather_tp_shards` never materialises more than one fused tensor
-  at a time.
+- `megatron_to_hf(mcore_state, hf_config)` takes FULL Megatron tensors (unsharded; stacked expert weights hold
+  all E experts) and yields HF `(name, tensor)` pairs tensor by tensor; each Megatron tensor converts on its own,
+  so a lazy mapping or the stream of `gather_tp_shards` never materialises more than one fused tensor at a time.
+  It also takes single experts named `...mlp.experts.<e>.linear_fc1.weight` (global index e), as streamed below.
 - `gather_tp_shards(model, tp_group, ep_group)` yields each parameter's full tensor under its full name,
-  all-gathering TP shards over the TP group and each expert-parallel rank's experts over the EP group: a
-  collective every rank must drive in the same order, after which every rank has seen every tensor of its
-  pipeline stage exactly once (the stages together: the whole model; a tied embedding's copy on the last stage is
-  skipped). `stream_hf_weights` chains the two, over one model or this rank's chunks.
+  all-gathering TP shards over the TP group, and each expert's weights (one expert at a time, under its
+  single-expert name) over the EP group: a collective every rank must drive in the same order, after which
+  every rank has seen every tensor of its pipeline stage exactly once (the stages together: the whole model; a
+  tied embedding's copy on the last stage is skipped). `stream_hf_weights` chains the two, over one model or
+  this rank's chunks.
 - `load_hf_weights(model, hf_state, hf_config)` loads this rank's shard into a built model (or into each of its
   pipeline chunks: a chunk's layers are numbered locally from 0, and `stage_names(chunk)` maps them to the
   model-wide layer numbers these conversions use).
@@ -25,10 +26,11 @@ plain dim-0 chunk because whole groups are contiguous; `linear_fc1` is cat(gate_
 vocab-parallel embedding / output layer split dim 0; row-parallel `linear_proj` / `linear_fc2` split dim 1;
 norms are replicated.
 
-Mixture of experts (Qwen3-MoE): the router `mlp.router.weight` is HF's `mlp.gate.weight`, replicated. Expert e's
-`linear_fc1` = cat(`experts.e.gate_proj`, `experts.e.up_proj`) and `linear_fc2` = `experts.e.down_proj`; experts
-are whole on every rank that holds them (expert TP 1, see `streamrl.learner.moe`), and EP rank r holds global
-experts r*E/EP .. (r+1)*E/EP - 1 as `local_experts.0..`.
+Mixture of experts (Qwen3-MoE): the router `mlp.router.weight` is HF's `mlp.gate.weight`, replicated. The experts
+are stacked (`streamrl.learner.experts`): `mlp.experts.linear_fc1.weight` [E, 2F, H] holds expert e's
+cat(`experts.e.gate_proj`, `experts.e.up_proj`) at [e] and `mlp.experts.linear_fc2.weight` [E, H, F] its
+`experts.e.down_proj`; experts are whole on every rank that holds them (expert TP 1, see `streamrl.learner.moe`),
+and EP rank r holds global experts r*E/EP .. (r+1)*E/EP - 1 as rows 0.. of its stacked weights.
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ _QKV_BIAS = "self_attention.linear_qkv.bias"  # Qwen2 only
 _QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
 _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")  # replaced by the router and experts in MoE layers
 _ROUTER = "mlp.router.weight"
-_EXPERT_MAP: dict[str, tuple[str, ...]] = {  # per-expert Megatron suffix -> HF per-expert suffixes (fused order)
+_EXPERT_MAP: dict[str, tuple[str, ...]] = {  # expert weight suffix -> HF per-expert suffixes (fused order)
     "linear_fc1.weight": ("gate_proj.weight", "up_proj.weight"),
     "linear_fc2.weight": ("down_proj.weight",),
 }
-_EXPERT_RE = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+_STACKED_RE = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12]\.weight)")  # all experts: [E, out, in]
+_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(.+)")  # one expert (layer-relative suffix): [out, in]
 _GLOBAL_MAP: dict[str, tuple[tuple[str, ...], str]] = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), COLUMN),
     "decoder.final_layernorm.weight": (("model.norm.weight",), REPLICATED),
@@ -126,14 +129,20 @@ def _source(name: str, hf_config: dict[str, Any]) -> str:
     return name
 
 
-def _global_expert_name(name: str, first_expert: int) -> str:
-    """The full-model name of a parameter whose name carries a local expert index (others unchanged)."""
-    return re.sub(r"(?<=\.local_experts\.)(\d+)(?=\.)", lambda m: str(first_expert + int(m.group(1))), name)
+def _expert_name(stacked_name: str, expert: int) -> str:
+    """The single-expert name of global expert `expert` of the stacked expert weight `stacked_name`."""
+    match = _STACKED_RE.fullmatch(stacked_name)
+    return f"{match.group(1)}{expert}.{match.group(2)}"
 
 
-def megatron_names(hf_config: dict[str, Any], ep_size: int = 1) -> list[str]:
-    """The Megatron parameter names `build_gpt_model(hf_config)` has at expert parallelism `ep_size`, in
-    `state_dict` order (expert indices are local, so at EP=1 they are the global ones)."""
+def _part_names(name: str, experts: range) -> list[str]:
+    """What the Megatron parameter `name` is built from: the single experts `experts` (global indices) of a stacked
+    expert weight, else `name` itself."""
+    return [_expert_name(name, e) for e in experts] if _STACKED_RE.fullmatch(name) else [name]
+
+
+def megatron_names(hf_config: dict[str, Any]) -> list[str]:
+    """The Megatron parameter names `build_gpt_model(hf_config)` has (at any TP/EP size), in `state_dict` order."""
     experts = num_experts(hf_config)
     names = ["embedding.word_embeddings.weight"]
     for i in range(hf_config["num_hidden_layers"]):
@@ -147,8 +156,7 @@ def megatron_names(hf_config: dict[str, Any], ep_size: int = 1) -> list[str]:
             names.append(f"decoder.layers.{i}.{suffix}")
         if experts:
             names.append(f"decoder.layers.{i}.{_ROUTER}")
-            names += [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{suffix}"
-                      for e in range(experts // ep_size) for suffix in _EXPERT_MAP]  # fmt: skip
+            names += [f"decoder.layers.{i}.mlp.experts.{suffix}" for suffix in _EXPERT_MAP]
     names.append("decoder.final_layernorm.weight")
     if not hf_config.get("tie_word_embeddings", False):
         names.append("output_layer.weight")
@@ -238,16 +246,21 @@ def hf_to_megatron(
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank: {ep_rank} outside [0, {ep_size})")
     _check_divisible(hf_config, tp_size, ep_size)
-    first_expert = ep_rank * num_experts(hf_config) // ep_size
+    local = num_experts(hf_config) // ep_size
+    own_experts = range(ep_rank * local, (ep_rank + 1) * local)
     out: dict[str, Tensor] = {}
-    for name in megatron_names(hf_config, ep_size) if names is None else names:
-        hf_names, kind = _lookup(_global_expert_name(_source(name, hf_config), first_expert))
-        missing = [n for n in hf_names if n not in hf_state]
-        if missing:
-            raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {name!r}")
-        out[name] = _shard(_fuse(name, [hf_state[n] for n in hf_names], hf_config), kind, tp_rank, tp_size)
+    for name in megatron_names(hf_config) if names is None else names:
+        parts = []  # one tensor, or this EP rank's experts of a stacked expert weight
+        for part_name in _part_names(_source(name, hf_config), own_experts):
+            hf_names, kind = _lookup(part_name)
+            missing = [n for n in hf_names if n not in hf_state]
+            if missing:
+                raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {part_name!r}")
+            parts.append(_shard(_fuse(part_name, [hf_state[n] for n in hf_names], hf_config), kind, tp_rank, tp_size))
+        out[name] = torch.stack(parts) if _STACKED_RE.fullmatch(name) else parts[0]
     # Every HF tensor of the model, including the experts other EP ranks load.
-    known = {hf_name for name in megatron_names(hf_config) for hf_name in _lookup(name)[0]}
+    every_expert = range(num_experts(hf_config))
+    known = {hf for name in megatron_names(hf_config) for n in _part_names(name, every_expert) for hf in _lookup(n)[0]}
     # A tied checkpoint may still store lm_head.weight (a copy of the embedding); the model has no slot for it.
     leftover = {n for n in hf_state if n not in known and not _IGNORED_HF.fullmatch(n)}
     if hf_config.get("tie_word_embeddings", False):
@@ -283,8 +296,11 @@ def megatron_to_hf(mcore_state: Mapping[str, Tensor], hf_config: dict[str, Any])
     for name, full in mcore_state.items():
         if name.endswith("_extra_state"):
             continue
-        hf_names, _ = _lookup(name)
-        yield from zip(hf_names, _split(name, full, hf_config), strict=True)
+        stacked = _STACKED_RE.fullmatch(name) is not None
+        parts = zip(_part_names(name, range(len(full))), full, strict=True) if stacked else [(name, full)]
+        for part_name, part in parts:
+            hf_names, _ = _lookup(part_name)
+            yield from zip(hf_names, _split(part_name, part, hf_config), strict=True)
 
 
 def gather_tp_shards(
@@ -294,29 +310,32 @@ def gather_tp_shards(
 
     A collective: every rank of `tp_group` and `ep_group` (Megatron's tensor- and expert-parallel groups by
     default) must consume the generator to the end, in lockstep. Each local expert parameter is all-gathered over
-    the EP group and yielded once per EP rank (global experts j, E/EP + j, ...), so every rank yields every
-    tensor exactly once. Replicated tensors (and everything at TP=1, EP=1) are yielded as detached views of the
-    live parameters, so copy them before the next optimizer step if they must persist.
+    the EP group expert by expert (global experts j, E/EP + j, ... for local row j, under single-expert names), so
+    every rank yields every tensor exactly once and holds at most EP experts' weights of it at a time. Replicated
+    tensors (and everything at TP=1, EP=1) are yielded as detached views of the live parameters, so copy them
+    before the next optimizer step if they must persist.
     """
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     if ep_group is None:
         ep_group = parallel_state.get_expert_model_parallel_group()
     tp_size, ep_size = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
-    local_experts = (getattr(model.config, "num_moe_experts", None) or 0) // ep_size
     model_wide = stage_names(model)
     for local_name, param in model.named_parameters():
         if getattr(param, "shared", False):  # the last stage's copy of a tied embedding: the first stage sends it
             continue
         name = model_wide[local_name]
-        _, kind = _lookup(name)
         local = param.detach()
-        if is_expert_parameter(name) and ep_size > 1:  # experts are whole (expert TP 1): only EP splits them
-            parts = [torch.empty_like(local) for _ in range(ep_size)]
-            dist.all_gather(parts, local.contiguous(), group=ep_group)
-            for ep_rank, part in enumerate(parts):
-                yield _global_expert_name(name, ep_rank * local_experts), part
+        if is_expert_parameter(name):  # stacked [E/EP, ...], whole experts (expert TP 1): only EP splits them
+            for row, expert in enumerate(local):
+                parts = [expert]
+                if ep_size > 1:
+                    parts = [torch.empty_like(expert) for _ in range(ep_size)]
+                    dist.all_gather(parts, expert.contiguous(), group=ep_group)
+                for ep_rank, part in enumerate(parts):
+                    yield _expert_name(name, ep_rank * len(local) + row), part
             continue
+        _, kind = _lookup(name)
         if kind == REPLICATED or tp_size == 1:
             yield name, local
             continue

@@ -3,7 +3,8 @@
 Contract: `build_model_chunks(hf_config)` takes the contents of a HF `config.json` for `Qwen3ForCausalLM`,
 `Qwen2ForCausalLM`, `LlamaForCausalLM` or `Qwen3MoeForCausalLM` and returns this rank's randomly initialised
 `GPTModel` chunks (its tensor- and expert-parallel shard of the layers of its pipeline stage: one chunk, or one
-per virtual stage; MoE settings and layout in `streamrl.learner.moe`) which together match the HF model once
+per virtual stage; MoE settings and layout in `streamrl.learner.moe`, the experts' grouped GEMMs in
+`streamrl.learner.experts`) which together match the HF model once
 `streamrl.learner.convert.load_hf_weights` weights are loaded. Without pipeline parallelism
 `build_gpt_model(hf_config)` is the one whole model. Layers split evenly over the pipeline stages (and virtual
 stages), except that `last_stage_layers` may give the last stage fewer or more (Megatron's uneven split). It
@@ -34,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from streamrl.learner.attention import PackedSequenceAttention
+from streamrl.learner.experts import GroupedExperts
 from streamrl.learner.moe import MOE_ARCHITECTURES, SequenceParallelRMSNorm, moe_config_fields, num_experts
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", *MOE_ARCHITECTURES)
@@ -184,7 +186,8 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
 
 
 def _layer_spec(config: TransformerConfig, vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
-    """The local layer spec with our core attention; MoE models also get norms that allow sequence parallelism."""
+    """The local layer spec with our core attention; MoE models also get norms that allow sequence parallelism
+    and our grouped-GEMM experts (Megatron's own need Transformer Engine or the grouped_gemm package)."""
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")  # fmt: skip
     # The local spec's DotProductAttention rejects packed sequences; ours attends within each one.
@@ -192,6 +195,7 @@ def _layer_spec(config: TransformerConfig, vp_stage: int | None) -> ModuleSpec |
     if not config.num_moe_experts:
         return spec
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
     if config.qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm

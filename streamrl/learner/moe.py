@@ -14,8 +14,9 @@ Contract:
 Parallel layout (why):
 - Expert tensor parallelism is 1: each expert is whole on the rank that holds it, and expert parallelism
   (`expert_model_parallel_size`) splits the experts: EP rank r holds global experts r*E/EP .. (r+1)*E/EP - 1 as
-  `local_experts.0..`. Fine-grained experts are too small to shard further, and sharding them would need
-  uneven all-gathers over the tensor-parallel group, which gloo does not implement.
+  rows 0.. of its stacked expert weights (`streamrl.learner.experts`). Fine-grained experts are too small to
+  shard further, and sharding them would need uneven all-gathers over the tensor-parallel group, which gloo does
+  not implement.
 - The token dispatcher is "alltoall": it exchanges per-expert token counts first, so the ranks of an
   expert-parallel group may hold different numbers of tokens (data-parallel ranks run different packed
   micro-batches). The "allgather" dispatcher requires equal token counts on every rank of the group.
@@ -79,6 +80,7 @@ def moe_config_fields(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> 
         moe_aux_loss_coeff=0.0,
         moe_expert_capacity_factor=None,
         moe_token_dispatcher_type="alltoall",
+        # Megatron's grouped-GEMM experts need Transformer Engine / grouped_gemm: ours come from the layer spec.
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep_size,
         expert_tensor_parallel_size=1,

@@ -3,7 +3,8 @@
 Each scenario trains two steps, saves, then compares "continue in the saving process" against "load the
 checkpoint into a freshly built model": one more optimizer step on a fixed batch, then the loss of another fixed
 batch. That loss depends on the weights and on both Adam moments, so equal losses mean all of them round-tripped.
-TP=2 saves run in two spawned gloo ranks; every load runs at TP=1 in the test process (`tp1_world`).
+TP=2 saves (and the Qwen3-MoE EP=2 save, whose grouped experts are split over the ranks) run in two spawned gloo
+ranks; every load runs at TP=1, EP=1 in the test process (`tp1_world`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from streamrl.learner.checkpoint import (
     CheckpointError,
@@ -26,7 +28,7 @@ from streamrl.learner.checkpoint import (
 )
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
+from streamrl.learner.model import allreduce_data_parallel_grads, allreduce_tp_partial_grads, build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
 
@@ -45,8 +47,10 @@ def _loss(model: torch.nn.Module, which: int, vocab: int) -> torch.Tensor:
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, which: int, vocab: int) -> None:
     optimizer.zero_grad(set_to_none=True)
-    _loss(model, which, vocab).backward()
+    # Data-parallel ranks (EP=2 below) all run the same batch: the global loss is their mean.
+    (_loss(model, which, vocab) / parallel_state.get_data_parallel_world_size()).backward()
     allreduce_tp_partial_grads(model)
+    allreduce_data_parallel_grads(model)
     optimizer.step()
 
 
@@ -78,10 +82,10 @@ def _load_and_continue(model_dir: Path, path: Path) -> float:
         return float(_loss(model, EVAL, vocab))
 
 
-def _tp2_rank(rank: int, port: int, model_dir: Path, root: Path, out_dir: Path) -> None:
+def _two_rank_save(rank: int, port: int, tp: int, ep: int, model_dir: Path, root: Path, out_dir: Path) -> None:
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        init_parallel(rank, 2, 2, "127.0.0.1", port, TIMEOUT_S, seed=0)
+        init_parallel(rank, 2, tp, "127.0.0.1", port, TIMEOUT_S, seed=0, expert_parallel=ep)
         loss = _train_save_continue(model_dir, root)
         (out_dir / f"loss-{rank}.json").write_text(json.dumps(loss))
         destroy_parallel()
@@ -89,13 +93,23 @@ def _tp2_rank(rank: int, port: int, model_dir: Path, root: Path, out_dir: Path) 
 
 def test_tp2_checkpoint_loads_at_tp1(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    run_ranks(_tp2_rank, 2, (tiny_model_dir, root), tmp_path, 2 * TIMEOUT_S)
+    run_ranks(_two_rank_save, 2, (2, 1, tiny_model_dir, root), tmp_path, 2 * TIMEOUT_S)
     tp2_losses = [json.loads((tmp_path / f"loss-{rank}.json").read_text()) for rank in range(2)]
     assert tp2_losses[0] == tp2_losses[1]
     meta = read_meta(step_dir(root, 2))
     assert (meta.tensor_parallel, meta.data_parallel) == (2, 1)
     assert latest_checkpoint(root) == step_dir(root, 2)
     assert _load_and_continue(tiny_model_dir, step_dir(root, 2)) == pytest.approx(tp2_losses[0], abs=1e-6, rel=0)
+
+
+def test_ep2_moe_checkpoint_loads_at_ep1(
+    tp1_world: None, tiny_model_dirs: Callable[[str], Path], tmp_path: Path
+) -> None:
+    moe_dir, root = tiny_model_dirs("qwen3_moe"), tmp_path / "checkpoints"
+    run_ranks(_two_rank_save, 2, (1, 2, moe_dir, root), tmp_path, 2 * TIMEOUT_S)  # 4 of the 8 experts per rank
+    ep2_losses = [json.loads((tmp_path / f"loss-{rank}.json").read_text()) for rank in range(2)]
+    assert ep2_losses[0] == ep2_losses[1]
+    assert _load_and_continue(moe_dir, step_dir(root, 2)) == pytest.approx(ep2_losses[0], abs=1e-6, rel=0)
 
 
 @pytest.fixture(scope="module")

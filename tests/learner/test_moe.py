@@ -107,10 +107,12 @@ def test_round_trip_is_bit_exact(moe_dir: Path) -> None:
     mcore = hf_to_megatron(hf_state, hf_config)
     assert list(mcore) == megatron_names(hf_config)
     # Independent statement of the expert layout: fc1 = cat(gate, up), fc2 = down; the router is HF's gate.
-    hf_expert, mcore_expert = "model.layers.1.mlp.experts.5", "decoder.layers.1.mlp.experts.local_experts.5"
+    # The experts are stacked along a leading expert axis: expert 5 is row 5.
+    hf_expert, mcore_experts = "model.layers.1.mlp.experts.5", "decoder.layers.1.mlp.experts"
     gate_up = torch.cat([hf_state[f"{hf_expert}.gate_proj.weight"], hf_state[f"{hf_expert}.up_proj.weight"]])
-    assert torch.equal(mcore[f"{mcore_expert}.linear_fc1.weight"], gate_up)
-    assert torch.equal(mcore[f"{mcore_expert}.linear_fc2.weight"], hf_state[f"{hf_expert}.down_proj.weight"])
+    assert mcore[f"{mcore_experts}.linear_fc1.weight"].shape[0] == EXPERTS
+    assert torch.equal(mcore[f"{mcore_experts}.linear_fc1.weight"][5], gate_up)
+    assert torch.equal(mcore[f"{mcore_experts}.linear_fc2.weight"][5], hf_state[f"{hf_expert}.down_proj.weight"])
     assert torch.equal(mcore["decoder.layers.1.mlp.router.weight"], hf_state["model.layers.1.mlp.gate.weight"])
     back = dict(megatron_to_hf(mcore, hf_config))
     assert back.keys() == hf_state.keys()
@@ -123,12 +125,10 @@ def test_expert_parallel_shards_hold_their_experts(moe_dir: Path) -> None:
     local = EXPERTS // 2
     for tp_rank, ep_rank in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         shard = hf_to_megatron(hf_state, hf_config, tp_rank=tp_rank, tp_size=2, ep_rank=ep_rank, ep_size=2)
-        assert list(shard) == megatron_names(hf_config, ep_size=2)
+        assert list(shard) == megatron_names(hf_config)
         for name, tensor in shard.items():
-            if ".local_experts." in name:  # whole experts (expert TP 1), global index ep_rank * E/EP + j
-                j = int(name.split(".local_experts.")[1].split(".")[0])
-                global_name = name.replace(f".local_experts.{j}.", f".local_experts.{ep_rank * local + j}.")
-                assert torch.equal(tensor, full[global_name]), name
+            if ".mlp.experts." in name:  # whole experts (expert TP 1): row j is global expert ep_rank * E/EP + j
+                assert torch.equal(tensor, full[name][ep_rank * local : (ep_rank + 1) * local]), name
             elif "router" in name or "layernorm" in name:
                 assert torch.equal(tensor, full[name]), name
             else:  # attention, embedding and output layer: TP-sharded as in the dense models
