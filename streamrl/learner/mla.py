@@ -120,7 +120,7 @@ class LatentRMSNorm(SequenceParallelRMSNorm):
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = LATENT_NORM_EPS) -> None:
-        super().__init__(config, hidden_size, eps=LATENT_NORM_EPS)
+        super().__init__(config, hidden_size, eps=LATENT_NORM_EPS)  # Megatron passes `eps` = rms_norm_eps
 
 
 def use_latent_modules(submodules: MLASelfAttentionSubmodules) -> None:

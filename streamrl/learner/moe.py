@@ -85,7 +85,7 @@ def _check_supported(hf_config: dict[str, Any], ep_size: int) -> None:
         raise ValueError(f"num_experts: a MoE model needs at least 2 experts, got {experts}")
     if experts % ep_size:
         raise ValueError(f"expert_parallel: {ep_size} does not divide num_experts {experts}")
-    # Dense layers between sparse ones would need a per-layer spec; every released Qwen3-MoE is sparse throughout.
+    # Qwen3-MoE's own dense-layer options are not mapped; every released Qwen3-MoE is sparse throughout.
     if hf_config.get("decoder_sparse_step", 1) != 1:
         raise ValueError(f"decoder_sparse_step: only 1 (every layer MoE) is supported, got "
                          f"{hf_config['decoder_sparse_step']}")  # fmt: skip
