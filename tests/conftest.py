@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # vLLM is heavy: imported only by the tests that use the engi
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`tiny_model_dirs(arch)` -> directory of the random tiny HF model of `arch` ("qwen3", "qwen2", "llama")."""
+    """`tiny_model_dirs(arch)` -> directory of the random tiny HF model of `arch` (`streamrl.models.tiny.ARCHS`)."""
     from streamrl.models.tiny import write_tiny_model
 
     cache: dict[str, Path] = {}

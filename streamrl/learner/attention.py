@@ -50,6 +50,8 @@ class PackedSequenceAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: object | None = None,
+        k_channels: int | None = None,  # MLA passes its q/k and v head dims; SDPA reads them off the tensors
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout

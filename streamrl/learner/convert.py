@@ -26,11 +26,19 @@ plain dim-0 chunk because whole groups are contiguous; `linear_fc1` is cat(gate_
 vocab-parallel embedding / output layer split dim 0; row-parallel `linear_proj` / `linear_fc2` split dim 1;
 norms are replicated.
 
-Mixture of experts (Qwen3-MoE): the router `mlp.router.weight` is HF's `mlp.gate.weight`, replicated. The experts
-are stacked (`streamrl.learner.experts`): `mlp.experts.linear_fc1.weight` [E, 2F, H] holds expert e's
+Mixture of experts (Qwen3-MoE, DeepSeek-V3): the router `mlp.router.weight` is HF's `mlp.gate.weight`, replicated.
+The experts are stacked (`streamrl.learner.experts`): `mlp.experts.linear_fc1.weight` [E, 2F, H] holds expert e's
 cat(`experts.e.gate_proj`, `experts.e.up_proj`) at [e] and `mlp.experts.linear_fc2.weight` [E, H, F] its
 `experts.e.down_proj`; experts are whole on every rank that holds them (expert TP 1, see `streamrl.learner.moe`),
-and EP rank r holds global experts r*E/EP .. (r+1)*E/EP - 1 as rows 0.. of its stacked weights.
+and EP rank r holds global experts r*E/EP .. (r+1)*E/EP - 1 as rows 0.. of its stacked weights. DeepSeek-V3 adds
+the router's `expert_bias` buffer (HF `mlp.gate.e_score_correction_bias`, replicated, streamed with the weights),
+`mlp.shared_experts.linear_fc1/2` (from `mlp.shared_experts.gate/up/down_proj`, TP-sharded like a dense MLP) and
+dense first layers (dense names). Its multi-latent attention maps `q_a_proj` / `q_b_proj` (or `q_proj`),
+`q_a_layernorm`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj` to `linear_q_down_proj` /
+`linear_q_up_proj` (or `linear_q_proj`), `q_layernorm`, `linear_kv_down_proj`, `kv_layernorm`, `linear_kv_up_proj`,
+`linear_proj`: down projections replicated, up projections column-parallel by heads, output row-parallel; rotary
+rows reordered only for HF's `rope_interleave=False` (why both: `streamrl.learner.mla`). Multi-token-prediction
+layers of a DeepSeek checkpoint (indices >= `num_hidden_layers`) are not part of the model and are skipped.
 """
 
 from __future__ import annotations
@@ -47,16 +55,18 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file
 from torch import Tensor
 
+from streamrl.learner.mla import is_mla, rope_interleaved, rope_rows_to_hf, rope_rows_to_megatron
 from streamrl.learner.model import has_qk_layernorm, has_qkv_bias, head_dim, is_expert_parameter, num_query_groups
-from streamrl.learner.moe import num_experts
+from streamrl.learner.moe import moe_layers, num_experts, shared_expert_size, uses_expert_bias
 
 # Sharding kinds: how a full tensor splits across tensor-parallel ranks.
 REPLICATED, COLUMN, ROW, GLU = "replicated", "column", "row", "glu"
 
 # Megatron per-layer suffix -> (HF per-layer suffixes, kind), in `GPTModel.state_dict()` order. Fused entries
-# list their HF parts in fused order.
-_LAYER_MAP: dict[str, tuple[tuple[str, ...], str]] = {
-    "input_layernorm.weight": (("input_layernorm.weight",), REPLICATED),
+# list their HF parts in fused order. A layer is: input norm, attention (grouped-query or multi-latent), pre-MLP
+# norm, MLP (dense, or router + experts + shared experts).
+_INPUT_NORM = {"input_layernorm.weight": (("input_layernorm.weight",), REPLICATED)}
+_GQA_MAP: dict[str, tuple[tuple[str, ...], str]] = {
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ROW),
     "self_attention.linear_qkv.weight": (
         ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -68,14 +78,39 @@ _LAYER_MAP: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), REPLICATED),
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), REPLICATED),
-    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), REPLICATED),
+}
+_MLA_MAP: dict[str, tuple[tuple[str, ...], str]] = {
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ROW),
+    "self_attention.linear_q_proj.weight": (("self_attn.q_proj.weight",), COLUMN),  # q_lora_rank None only
+    "self_attention.linear_q_down_proj.weight": (("self_attn.q_a_proj.weight",), REPLICATED),
+    "self_attention.linear_q_up_proj.weight": (("self_attn.q_b_proj.weight",), COLUMN),
+    "self_attention.linear_kv_down_proj.weight": (("self_attn.kv_a_proj_with_mqa.weight",), REPLICATED),
+    "self_attention.linear_kv_up_proj.weight": (("self_attn.kv_b_proj.weight",), COLUMN),
+    "self_attention.q_layernorm.weight": (("self_attn.q_a_layernorm.weight",), REPLICATED),
+    "self_attention.kv_layernorm.weight": (("self_attn.kv_a_layernorm.weight",), REPLICATED),
+}
+_PRE_MLP_NORM = {"pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), REPLICATED)}
+_DENSE_MLP_MAP: dict[str, tuple[tuple[str, ...], str]] = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW),
 }
+_ROUTER, _EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"
+_MOE_MAP: dict[str, tuple[tuple[str, ...], str]] = {  # the routed experts are matched by `_EXPERT_RE`
+    _ROUTER: (("mlp.gate.weight",), REPLICATED),
+    _EXPERT_BIAS: (("mlp.gate.e_score_correction_bias",), REPLICATED),  # a buffer (DeepSeek-V3)
+    "mlp.shared_experts.linear_fc1.weight": (
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+        GLU,
+    ),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_experts.down_proj.weight",), ROW),
+}
+_LAYER_MAP = {**_INPUT_NORM, **_GQA_MAP, **_PRE_MLP_NORM, **_DENSE_MLP_MAP, **_MOE_MAP}
+_MLA_LAYER_MAP = {**_INPUT_NORM, **_MLA_MAP, **_PRE_MLP_NORM, **_DENSE_MLP_MAP, **_MOE_MAP}
 _QKV_BIAS = "self_attention.linear_qkv.bias"  # Qwen2 only
 _QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
-_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")  # replaced by the router and experts in MoE layers
-_ROUTER = "mlp.router.weight"
+_MLA_Q_PLAIN = ("self_attention.linear_q_proj.weight",)  # MLA without a q latent (q_lora_rank None)
+_MLA_Q_LORA = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.weight",
+               "self_attention.q_layernorm.weight")  # fmt: skip
 _EXPERT_MAP: dict[str, tuple[str, ...]] = {  # expert weight suffix -> HF per-expert suffixes (fused order)
     "linear_fc1.weight": ("gate_proj.weight", "up_proj.weight"),
     "linear_fc2.weight": ("down_proj.weight",),
@@ -92,8 +127,8 @@ _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def _lookup(name: str) -> tuple[list[str], str]:
-    """HF names (fused order) and sharding kind of the Megatron parameter `name`."""
+def _lookup(name: str, mla: bool) -> tuple[list[str], str]:
+    """HF names (fused order) and sharding kind of the Megatron parameter `name` (of an MLA model if `mla`)."""
     if name in _GLOBAL_MAP:
         hf_names, kind = _GLOBAL_MAP[name]
         return list(hf_names), kind
@@ -101,25 +136,32 @@ def _lookup(name: str) -> tuple[list[str], str]:
     if match is None:
         raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
     prefix, suffix = f"model.layers.{match.group(1)}", match.group(2)
-    if suffix == _ROUTER:
-        return [f"{prefix}.mlp.gate.weight"], REPLICATED
     expert = _EXPERT_RE.fullmatch(suffix)
     if expert is not None and expert.group(2) in _EXPERT_MAP:
         return [f"{prefix}.mlp.experts.{expert.group(1)}.{part}" for part in _EXPERT_MAP[expert.group(2)]], REPLICATED
-    if suffix not in _LAYER_MAP:
+    table = _MLA_LAYER_MAP if mla else _LAYER_MAP
+    if suffix not in table:
         raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
-    hf_suffixes, kind = _LAYER_MAP[suffix]
+    hf_suffixes, kind = table[suffix]
     return [f"{prefix}.{hf_suffix}" for hf_suffix in hf_suffixes], kind
 
 
+def _state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The parameters and persistent buffers (the MoE expert bias) of `model`: its state besides `_extra_state`."""
+    saved = model.state_dict(keep_vars=True).keys()
+    yield from model.named_parameters()
+    yield from ((name, buffer) for name, buffer in model.named_buffers() if name in saved)
+
+
 def stage_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local -> model-wide name of each parameter of one pipeline chunk (identity without pipeline parallelism).
+    """Local -> model-wide name of each parameter and persistent buffer of one pipeline chunk (identity without
+    pipeline parallelism).
 
     Megatron numbers a chunk's layers from 0 in its state dict; each layer knows its model-wide `layer_number`.
     """
     numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
     return {name: _LAYER_RE.sub(lambda m: f"decoder.layers.{numbers[int(m.group(1))]}.{m.group(2)}", name)
-            for name, _ in model.named_parameters()}  # fmt: skip
+            for name, _ in _state_tensors(model)}  # fmt: skip
 
 
 def _source(name: str, hf_config: dict[str, Any]) -> str:
@@ -141,26 +183,50 @@ def _part_names(name: str, experts: range) -> list[str]:
     return [_expert_name(name, e) for e in experts] if _STACKED_RE.fullmatch(name) else [name]
 
 
+def _attention_suffixes(hf_config: dict[str, Any]) -> list[str]:
+    """The attention entries of a layer, in `state_dict` order."""
+    if is_mla(hf_config):
+        absent = _MLA_Q_PLAIN if hf_config.get("q_lora_rank") is not None else _MLA_Q_LORA
+        return [suffix for suffix in _MLA_MAP if suffix not in absent]
+    absent = (() if has_qkv_bias(hf_config) else (_QKV_BIAS,)) + (() if has_qk_layernorm(hf_config) else _QK_NORMS)
+    return [suffix for suffix in _GQA_MAP if suffix not in absent]
+
+
+def _mlp_suffixes(hf_config: dict[str, Any], sparse: bool) -> list[str]:
+    """The MLP entries of a dense or MoE (`sparse`) layer, in `state_dict` order (routed experts stacked)."""
+    if not sparse:
+        return list(_DENSE_MLP_MAP)
+    names = [_ROUTER] + ([_EXPERT_BIAS] if uses_expert_bias(hf_config) else [])
+    names += [f"mlp.experts.{suffix}" for suffix in _EXPERT_MAP]
+    if shared_expert_size(hf_config):
+        names += [suffix for suffix in _MOE_MAP if suffix.startswith("mlp.shared_experts.")]
+    return names
+
+
 def megatron_names(hf_config: dict[str, Any]) -> list[str]:
-    """The Megatron parameter names `build_gpt_model(hf_config)` has (at any TP/EP size), in `state_dict` order."""
-    experts = num_experts(hf_config)
+    """The Megatron state names `build_gpt_model(hf_config)` has (at any TP/EP size), in `state_dict` order,
+    without `_extra_state`."""
     names = ["embedding.word_embeddings.weight"]
-    for i in range(hf_config["num_hidden_layers"]):
-        for suffix in _LAYER_MAP:
-            if suffix == _QKV_BIAS and not has_qkv_bias(hf_config):
-                continue
-            if suffix in _QK_NORMS and not has_qk_layernorm(hf_config):
-                continue
-            if suffix in _DENSE_MLP and experts:
-                continue
-            names.append(f"decoder.layers.{i}.{suffix}")
-        if experts:
-            names.append(f"decoder.layers.{i}.{_ROUTER}")
-            names += [f"decoder.layers.{i}.mlp.experts.{suffix}" for suffix in _EXPERT_MAP]
+    for i, sparse in enumerate(moe_layers(hf_config)):
+        suffixes = [*_INPUT_NORM, *_attention_suffixes(hf_config), *_PRE_MLP_NORM, *_mlp_suffixes(hf_config, sparse)]
+        names += [f"decoder.layers.{i}.{suffix}" for suffix in suffixes]
     names.append("decoder.final_layernorm.weight")
     if not hf_config.get("tie_word_embeddings", False):
         names.append("output_layer.weight")
     return names
+
+
+def _rope_rows(name: str, hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """(rows per block, rotary rows ending each block) of an MLA weight whose rotary output rows are reordered
+    because HF does not interleave them (see `streamrl.learner.mla`); None for every other tensor."""
+    if not is_mla(hf_config) or rope_interleaved(hf_config):
+        return None
+    rope = hf_config["qk_rope_head_dim"]
+    if name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight")):  # per head: [nope, rope]
+        return hf_config["qk_nope_head_dim"] + rope, rope
+    if name.endswith("linear_kv_down_proj.weight"):  # [kv latent, shared rotary key]
+        return hf_config["kv_lora_rank"] + rope, rope
+    return None
 
 
 def _qkv_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
@@ -171,15 +237,15 @@ def _qkv_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
 
 def _fuse(name: str, parts: list[Tensor], hf_config: dict[str, Any]) -> Tensor:
     """Build the full Megatron tensor `name` from its HF parts (in `_lookup` order)."""
-    if len(parts) == 1:
-        return parts[0]
-    if "linear_qkv" in name:
+    if "linear_qkv" in name and len(parts) == 3:
         groups, per_group, dim = _qkv_shape(hf_config)
         q, k, v = parts
         rest = q.shape[1:]  # (hidden,) for the weight, () for the bias
         q = q.reshape(groups, per_group * dim, *rest)
         return torch.cat([q, k.reshape(groups, dim, *rest), v.reshape(groups, dim, *rest)], dim=1).reshape(-1, *rest)
-    return torch.cat(parts, dim=0)  # linear_fc1 = cat(gate, up)
+    full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # linear_fc1 = cat(gate, up)
+    rope = _rope_rows(name, hf_config)
+    return full if rope is None else rope_rows_to_megatron(full, *rope)
 
 
 def _split(name: str, full: Tensor, hf_config: dict[str, Any]) -> list[Tensor]:
@@ -193,6 +259,9 @@ def _split(name: str, full: Tensor, hf_config: dict[str, Any]) -> list[Tensor]:
             grouped[:, per_group].reshape(groups * dim, *rest),
             grouped[:, per_group + 1].reshape(groups * dim, *rest),
         ]
+    rope = _rope_rows(name, hf_config)
+    if rope is not None:
+        return [rope_rows_to_hf(full, *rope)]
     if "linear_fc1" in name:
         return list(full.chunk(2, dim=0))
     return [full]
@@ -219,11 +288,15 @@ def _unshard(shards: list[Tensor], kind: str) -> Tensor:
 
 
 def _check_divisible(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> None:
-    # Experts are never TP-sharded, so a MoE model's (unused) dense intermediate_size need not divide.
-    fields = ("num_attention_heads", "vocab_size") + (() if num_experts(hf_config) else ("intermediate_size",))
-    for field in fields:
-        if hf_config[field] % tp_size:
-            raise ValueError(f"{field}: {hf_config[field]} is not divisible by tensor parallel size {tp_size}")
+    # Routed experts are never TP-sharded, so an all-MoE model's (unused) dense intermediate_size need not divide.
+    sizes = {field: hf_config[field] for field in ("num_attention_heads", "vocab_size")}
+    if not all(moe_layers(hf_config)):
+        sizes["intermediate_size"] = hf_config["intermediate_size"]
+    if shared_expert_size(hf_config):
+        sizes["n_shared_experts * moe_intermediate_size"] = shared_expert_size(hf_config)
+    for field, size in sizes.items():
+        if size % tp_size:
+            raise ValueError(f"{field}: {size} is not divisible by tensor parallel size {tp_size}")
     if num_query_groups(hf_config) % tp_size:
         raise ValueError(f"num_key_value_heads: {num_query_groups(hf_config)} not divisible by TP size {tp_size}")
     if ep_size > 1 and num_experts(hf_config) % ep_size:
@@ -248,11 +321,12 @@ def hf_to_megatron(
     _check_divisible(hf_config, tp_size, ep_size)
     local = num_experts(hf_config) // ep_size
     own_experts = range(ep_rank * local, (ep_rank + 1) * local)
+    mla = is_mla(hf_config)
     out: dict[str, Tensor] = {}
     for name in megatron_names(hf_config) if names is None else names:
         parts = []  # one tensor, or this EP rank's experts of a stacked expert weight
         for part_name in _part_names(_source(name, hf_config), own_experts):
-            hf_names, kind = _lookup(part_name)
+            hf_names, kind = _lookup(part_name, mla)
             missing = [n for n in hf_names if n not in hf_state]
             if missing:
                 raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {part_name!r}")
@@ -260,14 +334,23 @@ def hf_to_megatron(
         out[name] = torch.stack(parts) if _STACKED_RE.fullmatch(name) else parts[0]
     # Every HF tensor of the model, including the experts other EP ranks load.
     every_expert = range(num_experts(hf_config))
-    known = {hf for name in megatron_names(hf_config) for n in _part_names(name, every_expert) for hf in _lookup(n)[0]}
+    known = {hf for name in megatron_names(hf_config) for n in _part_names(name, every_expert)
+             for hf in _lookup(n, mla)[0]}  # fmt: skip
     # A tied checkpoint may still store lm_head.weight (a copy of the embedding); the model has no slot for it.
-    leftover = {n for n in hf_state if n not in known and not _IGNORED_HF.fullmatch(n)}
+    leftover = {n for n in hf_state if n not in known and not _IGNORED_HF.fullmatch(n) and not _is_mtp(n, hf_config)}
     if hf_config.get("tie_word_embeddings", False):
         leftover.discard("lm_head.weight")
     if leftover:
         raise ValueError(f"HF checkpoint has tensors with no Megatron counterpart: {sorted(leftover)}")
     return out
+
+
+def _is_mtp(hf_name: str, hf_config: dict[str, Any]) -> bool:
+    """Whether `hf_name` belongs to a DeepSeek-V3 multi-token-prediction module (layers past `num_hidden_layers`):
+    a speculative-decoding head that transformers ignores too and the learner does not train."""
+    match = re.match(r"model\.layers\.(\d+)\.", hf_name)
+    return bool(hf_config.get("num_nextn_predict_layers")) and match is not None and (
+        int(match.group(1)) >= hf_config["num_hidden_layers"])  # fmt: skip
 
 
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_config: dict[str, Any]) -> None:
@@ -293,20 +376,22 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_c
 
 def megatron_to_hf(mcore_state: Mapping[str, Tensor], hf_config: dict[str, Any]) -> Iterator[tuple[str, Tensor]]:
     """Yield HF `(name, tensor)` pairs from FULL Megatron tensors, one Megatron tensor at a time."""
+    mla = is_mla(hf_config)
     for name, full in mcore_state.items():
         if name.endswith("_extra_state"):
             continue
         stacked = _STACKED_RE.fullmatch(name) is not None
         parts = zip(_part_names(name, range(len(full))), full, strict=True) if stacked else [(name, full)]
         for part_name, part in parts:
-            hf_names, _ = _lookup(part_name)
+            hf_names, _ = _lookup(part_name, mla)
             yield from zip(hf_names, _split(part_name, part, hf_config), strict=True)
 
 
 def gather_tp_shards(
     model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None
 ) -> Iterator[tuple[str, Tensor]]:
-    """Yield each parameter's full tensor under its full name, all-gathering TP shards and EP ranks' experts.
+    """Yield each parameter's (and persistent buffer's: MoE expert bias) full tensor under its full name,
+    all-gathering TP shards and EP ranks' experts.
 
     A collective: every rank of `tp_group` and `ep_group` (Megatron's tensor- and expert-parallel groups by
     default) must consume the generator to the end, in lockstep. Each local expert parameter is all-gathered over
@@ -320,8 +405,9 @@ def gather_tp_shards(
     if ep_group is None:
         ep_group = parallel_state.get_expert_model_parallel_group()
     tp_size, ep_size = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
+    mla = bool(getattr(model.config, "multi_latent_attention", False))
     model_wide = stage_names(model)
-    for local_name, param in model.named_parameters():
+    for local_name, param in _state_tensors(model):
         if getattr(param, "shared", False):  # the last stage's copy of a tied embedding: the first stage sends it
             continue
         name = model_wide[local_name]
@@ -335,7 +421,7 @@ def gather_tp_shards(
                 for ep_rank, part in enumerate(parts):
                     yield _expert_name(name, ep_rank * len(local) + row), part
             continue
-        _, kind = _lookup(name)
+        _, kind = _lookup(name, mla)
         if kind == REPLICATED or tp_size == 1:
             yield name, local
             continue

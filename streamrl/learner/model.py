@@ -1,11 +1,11 @@
 """Build a Megatron-core `GPTModel` equivalent to a HuggingFace causal LM.
 
 Contract: `build_model_chunks(hf_config)` takes the contents of a HF `config.json` for `Qwen3ForCausalLM`,
-`Qwen2ForCausalLM`, `LlamaForCausalLM` or `Qwen3MoeForCausalLM` and returns this rank's randomly initialised
-`GPTModel` chunks (its tensor- and expert-parallel shard of the layers of its pipeline stage: one chunk, or one
-per virtual stage; MoE settings and layout in `streamrl.learner.moe`, the experts' grouped GEMMs in
-`streamrl.learner.experts`) which together match the HF model once
-`streamrl.learner.convert.load_hf_weights` weights are loaded. Without pipeline parallelism
+`Qwen2ForCausalLM`, `LlamaForCausalLM`, `Qwen3MoeForCausalLM` or `DeepseekV3ForCausalLM` and returns this rank's
+randomly initialised `GPTModel` chunks (its tensor- and expert-parallel shard of the layers of its pipeline stage:
+one chunk, or one per virtual stage; MoE settings and layout in `streamrl.learner.moe`, the experts' grouped GEMMs
+in `streamrl.learner.experts`, multi-latent attention in `streamrl.learner.mla`) which together match the HF model
+once `streamrl.learner.convert.load_hf_weights` weights are loaded. Without pipeline parallelism
 `build_gpt_model(hf_config)` is the one whole model. Layers split evenly over the pipeline stages (and virtual
 stages), except that `last_stage_layers` may give the last stage fewer or more (Megatron's uneven split). It
 must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer spec is used (no Transformer
@@ -30,13 +30,21 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from streamrl.learner.attention import PackedSequenceAttention
 from streamrl.learner.experts import GroupedExperts
-from streamrl.learner.moe import MOE_ARCHITECTURES, SequenceParallelRMSNorm, moe_config_fields, num_experts
+from streamrl.learner.mla import allow_mla_without_transformer_engine, is_mla, mla_config_fields, use_latent_modules
+from streamrl.learner.moe import (
+    MOE_ARCHITECTURES,
+    SequenceParallelRMSNorm,
+    moe_config_fields,
+    moe_layers,
+    num_experts,
+)
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", *MOE_ARCHITECTURES)
 
@@ -144,20 +152,23 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         raise ValueError(f"expert_parallel: {ep_size} needs a mixture-of-experts model, got {architecture(hf_config)}")
     else:
         moe = {}
-    return TransformerConfig(
+    if is_mla(hf_config):
+        config_class, attention = MLATransformerConfig, mla_config_fields(hf_config)
+    else:
+        config_class = TransformerConfig
+        attention = dict(num_query_groups=num_query_groups(hf_config), kv_channels=head_dim(hf_config),
+                         qk_layernorm=has_qk_layernorm(hf_config))  # fmt: skip
+    return config_class(
         num_layers=hf_config["num_hidden_layers"],
         hidden_size=hf_config["hidden_size"],
         ffn_hidden_size=hf_config["intermediate_size"],
         num_attention_heads=hf_config["num_attention_heads"],
-        num_query_groups=num_query_groups(hf_config),
-        kv_channels=head_dim(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config["rms_norm_eps"],
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
-        qk_layernorm=has_qk_layernorm(hf_config),
         # RL log-probs must be deterministic functions of the weights: no dropout anywhere.
         attention_dropout=0.0,
         hidden_dropout=0.0,
@@ -181,27 +192,45 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **attention,
         **(_pipeline_fields(hf_config, last_stage_layers) | moe),
     )
 
 
-def _layer_spec(config: TransformerConfig, vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
-    """The local layer spec with our core attention; MoE models also get norms that allow sequence parallelism
-    and our grouped-GEMM experts (Megatron's own need Transformer Engine or the grouped_gemm package)."""
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")  # fmt: skip
-    # The local spec's DotProductAttention rejects packed sequences; ours attends within each one.
-    spec.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
-    if not config.num_moe_experts:
-        return spec
+def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
+    """One layer's local spec (MoE MLP if `sparse`) with our core attention; MoE models' norms allow sequence
+    parallelism and their experts are our grouped GEMMs (Megatron's own need Transformer Engine or the grouped_gemm
+    package); MLA gets our latent modules (`streamrl.learner.mla`)."""
+    mla = config.multi_latent_attention
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if sparse else None, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, multi_latent_attention=mla,
+                                    normalization="RMSNorm")  # fmt: skip
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
-    layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
-    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-    if config.qk_layernorm:
-        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    # The local spec's DotProductAttention rejects packed sequences; ours attends within each one.
+    attention.core_attention = PackedSequenceAttention
+    if mla:
+        use_latent_modules(attention)
+    if sparse:
+        layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+    if config.num_moe_experts:
+        layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if config.qk_layernorm and not mla:
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    return spec
+
+
+def _layer_spec(
+    config: TransformerConfig, hf_config: dict[str, Any], vp_stage: int | None
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """The layer spec of a dense model, or the per-layer specs (dense or MoE MLP) of a MoE model's chunk."""
+    if not config.num_moe_experts:
+        return _layer(config, sparse=False)
+    sparse = moe_layers(hf_config)
+    specs = {kind: _layer(config, kind) for kind in set(sparse)}
     # A block spec, because a bare layer spec gets Megatron's default final norm, which refuses sequence parallel.
-    layers = get_num_layers_to_build(config, vp_stage)  # this chunk's layers only
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelRMSNorm)
+    first = get_transformer_layer_offset(config, vp_stage)  # this chunk's layers only
+    chunk = sparse[first : first + get_num_layers_to_build(config, vp_stage)]
+    return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in chunk], layer_norm=SequenceParallelRMSNorm)
 
 
 def build_model_chunks(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32,
@@ -217,9 +246,11 @@ def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch
                     last_stage_layers: int | None = None) -> GPTModel:  # fmt: skip
     """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`; see the module docstring."""
     config = transformer_config(hf_config, params_dtype, last_stage_layers)
+    if config.multi_latent_attention:
+        allow_mla_without_transformer_engine()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config, vp_stage),
+        transformer_layer_spec=_layer_spec(config, hf_config, vp_stage),
         vocab_size=hf_config["vocab_size"],
         max_sequence_length=hf_config["max_position_embeddings"],
         # The embedding lives on the first (virtual) stage, the output layer and loss on the last.
@@ -230,7 +261,8 @@ def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_percent=1.0,
-        rotary_base=_rope_theta(hf_config),
+        # MLA applies RoPE inside its attention, from the config's rope fields; the others use GPTModel's table.
+        rotary_base=config.rotary_base if is_mla(hf_config) else _rope_theta(hf_config),
         vp_stage=vp_stage,
     )
     if torch.cuda.is_available():
@@ -250,7 +282,8 @@ def allreduce_tp_partial_grads(chunks: Chunks) -> None:
     """Sum, over the tensor-parallel group, the gradients that each TP rank only holds a partial sum of.
 
     - Qwen3's q/k layernorm weights are replicated on every TP rank but applied to each attention head, and a
-      rank only computes its own heads, so its gradient covers those heads only.
+      rank only computes its own heads, so its gradient covers those heads only. (MLA's latent norms are not per
+      head: each TP rank normalises the whole latent, or, under sequence parallelism, its `sequence_parallel` shard.)
     - Under sequence parallelism (MoE models at TP>1) the parameters applied to the sequence-split hidden state
       (the RMSNorms, the MoE router) see only this rank's tokens; Megatron marks them `sequence_parallel`.
     Megatron's DDP sums these in `finalize_model_grads`; a plain torch optimizer does not, so call this after
@@ -259,11 +292,13 @@ def allreduce_tp_partial_grads(chunks: Chunks) -> None:
     """
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
+    config = (chunks if isinstance(chunks, torch.nn.Module) else chunks[0]).config
+    per_head_norms = () if config.multi_latent_attention else ("q_layernorm", "k_layernorm")
     grads = [
         p.grad
         for name, p in _named_parameters(chunks)
         if p.grad is not None
-        and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)
+        and (getattr(p, "sequence_parallel", False) or any(norm in name for norm in per_head_norms))
     ]
     if not grads:
         return

@@ -2,8 +2,9 @@
 
 `StepTimer.phase(name)` times a block (synchronising the GPU at its edges, so asynchronous kernels are
 charged to the phase that launched them). `training_flops` counts model FLOPs of the micro-batches a rank
-ran: 3x the forward FLOPs of `streamrl.batching.cost.flops_cost_model` per packed sequence (backward
-costs twice the forward; no recomputation counted). MFU = model FLOP/s per rank / `learner.peak_tflops`.
+ran: 3x the forward FLOPs of `streamrl.batching.cost.flops_cost_model` per packed sequence (its docstring
+writes the formulas for dense, MoE and multi-latent attention models; backward costs twice the forward; no
+recomputation counted). MFU = model FLOP/s per rank / `learner.peak_tflops`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 No model hub is reachable, so tests and the default config use models written by
 `write_tiny_model`: a random-initialised Qwen3 / Qwen2 / Llama causal LM (GQA, RMSNorm, SwiGLU,
-RoPE), or a Qwen3-MoE one (every layer a top-k routed mixture of SwiGLU experts, no shared expert), saved with
-`save_pretrained`, plus a `tokenizers`-built character tokenizer with a chat
-template, loadable by `transformers.AutoTokenizer` and by vLLM.
+RoPE), a Qwen3-MoE one (every layer a top-k routed mixture of SwiGLU experts, no shared expert), or a DeepSeek-V3
+one (multi-latent attention with plain interleaved RoPE, a first dense layer, then sigmoid-routed experts with a
+random expert bias, group-limited top-2, and a shared expert), saved with `save_pretrained`, plus a
+`tokenizers`-built character tokenizer with a chat template, loadable by `transformers.AutoTokenizer` and by
+vLLM (DeepSeek-V3 by transformers only: vLLM's CPU backend has no MLA).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3")
 
 # Shape presets; head_dim 32 because vLLM's CPU attention kernels support only a few head sizes.
 PRESETS: dict[str, dict[str, int]] = {
@@ -27,6 +30,18 @@ MOE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
     "small": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
 }
+# DeepSeek-V3's attention and routing per preset (its other shapes come from PRESETS and MOE_PRESETS): 8 experts in
+# 2 groups, of which each token's top-2 come from the 1 best group (HF scores a group by its two best experts, so
+# top-k must be 2 * topk_group); one shared expert; one dense layer in front of the preset's (MoE) layers.
+MLA_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+    "small": dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+}
+DEEPSEEK_ROUTING = dict(n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+# Std of the random expert bias: comparable to the spread of the sigmoid scores, so both steer the routing
+# (HF initialises it to zero, which would leave the bias untested).
+EXPERT_BIAS_STD = 0.05
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # The characters the tiny tasks need; a small alphabet keeps a random model's reward non-zero.
@@ -53,8 +68,9 @@ def build_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, tie_word_embeddings: bool):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, tie_word_embeddings: bool,
+               overrides: dict[str, Any]):  # fmt: skip
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     shape = dict(PRESETS[preset]) | ({"num_hidden_layers": num_layers} if num_layers else {})
     common = dict(
@@ -63,23 +79,38 @@ def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, 
         **shape,
     )
     if arch == "qwen3":
-        return Qwen3Config(attention_bias=False, **common)
-    if arch == "qwen3_moe":
+        config_class, fields = Qwen3Config, dict(attention_bias=False, **common)
+    elif arch == "qwen3_moe":
         # Every layer sparse (decoder_sparse_step 1); renormalised top-k weights as in the released Qwen3-MoE models.
-        return Qwen3MoeConfig(attention_bias=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                              **MOE_PRESETS[preset], **common)  # fmt: skip
-    if arch == "qwen2":
+        config_class = Qwen3MoeConfig
+        fields = dict(attention_bias=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      **MOE_PRESETS[preset], **common)  # fmt: skip
+    elif arch == "deepseek_v3":
+        common.pop("head_dim")  # MLA's head dims are the q/k (nope + rope) and v ones
+        common["num_key_value_heads"] = common["num_attention_heads"]  # every head gets its keys from the latent
+        if num_layers is None:  # the dense layers come in front of the preset's
+            common["num_hidden_layers"] += DEEPSEEK_ROUTING["first_k_dense_replace"]
+        moe = MOE_PRESETS[preset]
+        config_class = DeepseekV3Config
+        fields = dict(n_routed_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
+                      moe_intermediate_size=moe["moe_intermediate_size"], attention_bias=False, rope_interleave=True,
+                      **MLA_PRESETS[preset], **DEEPSEEK_ROUTING, **common)  # fmt: skip
+    elif arch == "qwen2":
         common.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads
-        return Qwen2Config(**common)
-    return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+        config_class, fields = Qwen2Config, common
+    else:
+        config_class, fields = LlamaConfig, dict(attention_bias=False, mlp_bias=False, **common)
+    return config_class(**{**fields, **overrides})
 
 
 def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,
-                     num_layers: int | None = None, tie_word_embeddings: bool = False) -> Path:  # fmt: skip
+                     num_layers: int | None = None, tie_word_embeddings: bool = False,
+                     **overrides: Any) -> Path:  # fmt: skip
     """Write a random-initialised model, tokenizer and chat template to `out_dir`; return the path.
 
     `num_layers` overrides the preset's layer count (pipeline stages need several); `tie_word_embeddings` shares
-    the embedding with the output layer."""
+    the embedding with the output layer; `overrides` replace any other HF config fields of the preset (variants for
+    tests, e.g. `q_lora_rank=None`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -92,8 +123,12 @@ def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "ti
     torch.manual_seed(seed)
     if num_layers is not None and num_layers < 1:
         raise ValueError(f"num_layers: {num_layers} must be >= 1")
-    config = _hf_config(arch, preset, "float32", num_layers, tie_word_embeddings)
+    config = _hf_config(arch, preset, "float32", num_layers, tie_word_embeddings, overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, EXPERT_BIAS_STD)
     model.save_pretrained(out, safe_serialization=True)
     (out / "tokenizer.json").write_text(build_tokenizer_json())
     tokenizer_config = {

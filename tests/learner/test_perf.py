@@ -34,6 +34,32 @@ def test_moe_flops_count_only_the_active_experts() -> None:
     assert flops_cost_model(moe).linear == 2 * (attention + 3 * 8 * 5 * 2 + 8 * 8 + 8 * 16)
 
 
+def test_mla_flops_count_latent_projections_shared_experts_and_dense_layers() -> None:
+    mla = {"hidden_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2, "vocab_size": 16,
+           "intermediate_size": 100, "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 3,
+           "qk_rope_head_dim": 2, "v_head_dim": 5, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "n_shared_experts": 1, "moe_intermediate_size": 7, "first_k_dense_replace": 1}  # fmt: skip
+    q = 8 * 6 + 6 * 2 * (3 + 2)  # down to the q latent, up to every head's nope + rope dims
+    kv = 8 * (4 + 2) + 4 * 2 * (3 + 5)  # down to the kv latent + shared rotary key, up to k nope + v per head
+    attention = q + kv + 2 * 5 * 8  # + output projection from the v heads
+    dense, sparse = 3 * 8 * 100, 3 * 8 * 7 * (2 + 1) + 8 * 8  # 1 dense layer; top-2 + 1 shared expert + router
+    model = flops_cost_model(mla)
+    assert model.linear == 2 * (3 * attention + dense + 2 * sparse + 8 * 16)
+    assert model.quadratic == 3 * 2 * ((3 + 2) + 5)  # QK^T over nope + rope dims, AV over v dims
+    plain_q = flops_cost_model({**mla, "q_lora_rank": None})
+    assert plain_q.linear - model.linear == 2 * 3 * (8 * 2 * (3 + 2) - q)
+
+
+def test_deepseek_v3_flops_match_its_published_active_parameters() -> None:
+    # DeepSeek-V3's config.json; the paper reports 37B activated parameters per token, embeddings included.
+    config = {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "vocab_size": 129280,
+              "intermediate_size": 18432, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+              "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+              "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3}  # fmt: skip
+    active = flops_cost_model(config).linear / 2 + 7168 * 129280  # matmul weights per token + the embedding
+    assert 36.5e9 < active < 38e9
+
+
 def test_step_timer_accumulates_phases_and_memory_is_reported() -> None:
     timer = StepTimer(torch.device("cpu"))
     for _ in range(2):
