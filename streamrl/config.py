@@ -30,7 +30,7 @@ class RunConfig(_Section):
 
 
 class TinyModelInit(_Section):
-    arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = Field(
+    arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3"] = Field(
         "qwen3", description="Architecture of the random model."
     )
     preset: Literal["tiny", "small"] = Field("tiny", description="Shape preset (streamrl.models.tiny.PRESETS).")
