@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from streamrl.config import ConfigError, load_config
+from streamrl.config import Config, ConfigError, load_config
 from streamrl.models.tiny import ARCHS
 
 
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         import yaml
 
+        from streamrl.orchestrate.train import check_model_layout
+
+        # The layout against the model too, when the model exists already (check-config writes nothing).
+        if (config.model.path / "config.json").exists() and not _layout_fits(check_model_layout, config):
+            return 2
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     if args.command == "export-hf":
@@ -64,11 +70,23 @@ def main(argv: list[str] | None = None) -> int:
 
         print(export_checkpoint(config, args.checkpoint, args.out))
         return 0
-    from streamrl.orchestrate.train import train
+    from streamrl.orchestrate.train import prepare_run, train
 
+    if not _layout_fits(prepare_run, config):  # fails before any process starts
+        return 2
     result = train(config, show_progress=not args.no_progress)
     print(result.summary)
     return 0
+
+
+def _layout_fits(check: Callable[[Config], None], config: Config) -> bool:
+    """Run a check that raises ValueError naming the field (e.g. a parallel layout the model cannot take)."""
+    try:
+        check(config)
+    except ValueError as exc:
+        print(f"streamrl: config error: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

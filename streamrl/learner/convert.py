@@ -55,6 +55,7 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file
 from torch import Tensor
 
+from streamrl.learner.layout import check_tensor_and_expert_split
 from streamrl.learner.mla import is_mla, rope_interleaved, rope_rows_to_hf, rope_rows_to_megatron
 from streamrl.learner.model import has_qk_layernorm, has_qkv_bias, head_dim, is_expert_parameter, num_query_groups
 from streamrl.learner.moe import moe_layers, num_experts, shared_expert_size, uses_expert_bias
@@ -287,22 +288,6 @@ def _unshard(shards: list[Tensor], kind: str) -> Tensor:
     return torch.cat(shards, dim=0 if kind == COLUMN else 1)
 
 
-def _check_divisible(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> None:
-    # Routed experts are never TP-sharded, so an all-MoE model's (unused) dense intermediate_size need not divide.
-    sizes = {field: hf_config[field] for field in ("num_attention_heads", "vocab_size")}
-    if not all(moe_layers(hf_config)):
-        sizes["intermediate_size"] = hf_config["intermediate_size"]
-    if shared_expert_size(hf_config):
-        sizes["n_shared_experts * moe_intermediate_size"] = shared_expert_size(hf_config)
-    for field, size in sizes.items():
-        if size % tp_size:
-            raise ValueError(f"{field}: {size} is not divisible by tensor parallel size {tp_size}")
-    if num_query_groups(hf_config) % tp_size:
-        raise ValueError(f"num_key_value_heads: {num_query_groups(hf_config)} not divisible by TP size {tp_size}")
-    if ep_size > 1 and num_experts(hf_config) % ep_size:
-        raise ValueError(f"num_experts: {num_experts(hf_config)} is not divisible by expert parallel size {ep_size}")
-
-
 def hf_to_megatron(
     hf_state: Mapping[str, Tensor],
     hf_config: dict[str, Any],
@@ -318,7 +303,7 @@ def hf_to_megatron(
         raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank: {ep_rank} outside [0, {ep_size})")
-    _check_divisible(hf_config, tp_size, ep_size)
+    check_tensor_and_expert_split(hf_config, tp_size, ep_size)
     local = num_experts(hf_config) // ep_size
     own_experts = range(ep_rank * local, (ep_rank + 1) * local)
     mla = is_mla(hf_config)

@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from streamrl.learner.attention import PackedSequenceAttention
 from streamrl.learner.experts import GroupedExperts
+from streamrl.learner.layout import check_pipeline_split, num_query_groups
 from streamrl.learner.mla import allow_mla_without_transformer_engine, is_mla, mla_config_fields, use_latent_modules
 from streamrl.learner.moe import (
     MOE_ARCHITECTURES,
@@ -60,11 +61,6 @@ def architecture(hf_config: dict[str, Any]) -> str:
 def head_dim(hf_config: dict[str, Any]) -> int:
     """Per-head dimension; Qwen2 configs omit it and derive it from hidden / heads."""
     return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
-
-
-def num_query_groups(hf_config: dict[str, Any]) -> int:
-    """Number of key/value heads (GQA groups); absent means plain multi-head attention."""
-    return hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
 
 
 def has_qkv_bias(hf_config: dict[str, Any]) -> bool:
@@ -107,21 +103,9 @@ def _pipeline_fields(hf_config: dict[str, Any], last_stage_layers: int | None) -
     """Megatron's pipeline settings for this world, validated against the model's layer count."""
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    layers = hf_config["num_hidden_layers"]
+    check_pipeline_split(hf_config["num_hidden_layers"], stages, virtual or 1, last_stage_layers)
     if stages == 1:
-        if last_stage_layers is not None:
-            raise ValueError("learner.last_stage_layers: needs pipeline parallelism")
         return {}
-    rest, rest_stages = layers, stages
-    if last_stage_layers is not None:
-        if not 0 < last_stage_layers < layers:
-            raise ValueError(f"learner.last_stage_layers: {last_stage_layers} must be in [1, {layers - 1}]")
-        rest, rest_stages = layers - last_stage_layers, stages - 1
-    chunks = virtual or 1
-    if rest % (rest_stages * chunks) or (last_stage_layers or chunks) % chunks:
-        last = last_stage_layers or "even"
-        raise ValueError(f"learner.pipeline_parallel: {layers} layers (num_hidden_layers) do not split evenly over "
-                         f"{stages} stages x {chunks} virtual stages (last stage: {last})")  # fmt: skip
     return dict(
         pipeline_model_parallel_size=stages,
         virtual_pipeline_model_parallel_size=virtual,

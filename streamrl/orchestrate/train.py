@@ -27,6 +27,7 @@ what they sampled meanwhile is stamped 0 and falls under the staleness rule).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -55,6 +56,16 @@ def ensure_model(config: Config) -> None:
         write_tiny_model(config.model.path, init.arch, init.preset, seed=config.run.seed)
     if not (config.model.path / "config.json").exists():
         raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
+
+
+def check_model_layout(config: Config) -> None:
+    """The learner's parallel layout against the model's config.json, before any process starts."""
+    from streamrl.learner.layout import check_layout
+
+    hf_config = json.loads((config.model.path / "config.json").read_text())
+    learner = config.learner
+    check_layout(hf_config, learner.tensor_parallel, learner.expert_parallel, learner.pipeline_parallel,
+                 learner.virtual_stages, learner.last_stage_layers)  # fmt: skip
 
 
 def publish_weights(cluster: Cluster, version: int) -> dict[str, float]:
@@ -106,11 +117,12 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
 
 
 def prepare_run(config: Config) -> None:
-    """Create the run directory, save the resolved config and make sure the model exists."""
+    """Create the run directory, save the resolved config, make sure the model exists and fits the layout."""
     os.environ.setdefault("WANDB_MODE", config.wandb.mode)
     config.run.dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, config.run.dir)
     ensure_model(config)
+    check_model_layout(config)
 
 
 def train(config: Config, show_progress: bool = True) -> RunResult:
