@@ -157,6 +157,9 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         attention_dropout=0.0,
         hidden_dropout=0.0,
         tensor_model_parallel_size=tp_size,
+        # With TP, each rank keeps only its share of the sequence outside attention and the MLP (norms, residual
+        # stream, activations saved for backward): Megatron's sequence parallelism, always on at TP > 1.
+        sequence_parallel=tp_size > 1,
         pipeline_dtype=params_dtype,
         # The policy loss is normalised over the whole global step already (invariant 6): Megatron's schedules
         # must not divide it again by token or micro-batch counts.
@@ -182,9 +185,9 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
 
 
 def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
-    """One layer's local spec (MoE MLP if `sparse`) with our core attention; MoE models' norms allow sequence
-    parallelism and their experts are our grouped GEMMs (Megatron's own need Transformer Engine or the grouped_gemm
-    package); MLA gets our latent modules (`streamrl.learner.mla`)."""
+    """One layer's local spec (MoE MLP if `sparse`) with our core attention; under sequence parallelism (and in MoE
+    models) its norms are ours, which allow it; MoE experts are our grouped GEMMs (Megatron's own need Transformer
+    Engine or the grouped_gemm package); MLA gets our latent modules (`streamrl.learner.mla`)."""
     mla = config.multi_latent_attention
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if sparse else None, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, multi_latent_attention=mla,
@@ -196,7 +199,7 @@ def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
         use_latent_modules(attention)
     if sparse:
         layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
-    if config.num_moe_experts:
+    if config.num_moe_experts or config.sequence_parallel:
         layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
         if config.qk_layernorm and not mla:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
@@ -206,8 +209,9 @@ def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
 def _layer_spec(
     config: TransformerConfig, hf_config: dict[str, Any], vp_stage: int | None
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """The layer spec of a dense model, or the per-layer specs (dense or MoE MLP) of a MoE model's chunk."""
-    if not config.num_moe_experts:
+    """The layer spec of a dense model without sequence parallelism, or else the per-layer specs (dense or MoE MLP)
+    of this chunk's layers."""
+    if not config.num_moe_experts and not config.sequence_parallel:
         return _layer(config, sparse=False)
     sparse = moe_layers(hf_config)
     specs = {kind: _layer(config, kind) for kind in set(sparse)}

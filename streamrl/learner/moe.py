@@ -31,11 +31,11 @@ Parallel layout (why):
 - The token dispatcher is "alltoall": it exchanges per-expert token counts first, so the ranks of an
   expert-parallel group may hold different numbers of tokens (data-parallel ranks run different packed
   micro-batches). The "allgather" dispatcher requires equal token counts on every rank of the group.
-- Megatron refuses to train MoE at TP>1 without sequence parallelism, so MoE models use it whenever TP>1: the
-  hidden state between layers is split along the sequence over the TP ranks (its length must be a multiple of
-  TP; `streamrl.learner.logprobs` pads). Norm weights and the router then see a part of the tokens on each
-  rank and are marked `sequence_parallel`, so their gradients are summed over TP
-  (`streamrl.learner.model.allreduce_tp_partial_grads`). Dense models keep TP without sequence parallelism.
+- Megatron refuses to train MoE at TP>1 without sequence parallelism; every model uses it whenever TP>1
+  (`streamrl.learner.model`): the hidden state between layers is split along the sequence over the TP ranks
+  (its length must be a multiple of TP; `streamrl.learner.logprobs` pads). Norm weights and the router then see
+  a part of the tokens on each rank and are marked `sequence_parallel`, so their gradients are summed over TP
+  (`streamrl.learner.model.allreduce_tp_partial_grads`).
 """
 
 from __future__ import annotations
@@ -161,7 +161,6 @@ def moe_config_fields(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> 
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep_size,
         expert_tensor_parallel_size=1,
-        sequence_parallel=tp_size > 1,
     )
 
 
