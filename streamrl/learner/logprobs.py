@@ -25,11 +25,11 @@ does the same for a packed `streamrl.types.MicroBatch`. Under pipeline paralleli
 log-probs: `model_forward` / `microbatch_forward` return any chunk's raw output (`streamrl.learner.pipeline`),
 which `per_token_outputs` turns into log-probs on the last stage.
 
-Entropy (`token_logprobs_and_entropy`, or `with_entropy=True`): the model runs without labels and returns its
+Entropy (`model_forward(..., with_entropy=True)`): the model runs without labels and returns its
 vocabulary shard of the logits (under sequence parallelism the output layer has already gathered the sequence, as
 for the cross-entropy), from which `streamrl.learner.vocab_parallel` computes both the log-probs and the entropy of
 each position's next-token distribution, still without gathering the vocabulary. The labels path stays the
-default: Megatron's cross-entropy keeps no copy of the logits.
+default: Megatron's cross-entropy works in place in the logits' buffer and skips the entropy's extra reduction.
 """
 
 from __future__ import annotations
@@ -116,20 +116,6 @@ def token_logprobs(
     # With labels, GPTModel returns the per-token cross-entropy -log p(label) in [B, S] instead of logits.
     logp, _ = per_token_outputs(model_forward(model, input_ids, position_ids, labels, cu_seqlens), input_ids.shape[1])
     return logp
-
-
-def token_logprobs_and_entropy(
-    model: GPTModel,
-    input_ids: torch.LongTensor,
-    position_ids: torch.LongTensor,
-    labels: torch.LongTensor,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` and the entropy of the model's next-token distribution at every position, float32 `[B, S]`."""
-    output = model_forward(model, input_ids, position_ids, labels, cu_seqlens, with_entropy=True)
-    logp, entropy = per_token_outputs(output, input_ids.shape[1])
-    assert entropy is not None
-    return logp, entropy
 
 
 LastStageOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # cross-entropy, or (log-prob, entropy)
