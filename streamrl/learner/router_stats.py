@@ -32,11 +32,12 @@ class RouterLoad:
     """Tokens per expert of every MoE layer of this rank's chunks since the last `reset()`; see the module doc."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        experts = chunks[0].config.num_moe_experts
+        if not experts:
+            raise ValueError("RouterLoad: a dense model has no router (num_experts)")
+        # A stage may hold no MoE layer (DeepSeek-V3's dense first layers): it still joins the reductions.
         routers = [module for chunk in chunks for module in chunk.modules() if isinstance(module, TopKRouter)]
-        if not routers:
-            raise ValueError("RouterLoad: the model has no MoE router (num_experts)")
-        experts = routers[0].config.num_moe_experts
-        device = next(routers[0].parameters()).device
+        device = next(chunks[0].parameters()).device
         self.counts = torch.zeros(len(routers), experts, dtype=torch.int64, device=device)  # [layer, expert]
         for layer, router in enumerate(routers):
             router.register_forward_hook(partial(self._count, layer))

@@ -4,10 +4,11 @@ A packed step of several micro-batches runs through `run_microbatches(..., with_
 reference policy's log-probs from `reference_logprobs` (a second random tiny model, so the KL is far from 0), and
 `microbatch_objective` as the loss. The single-process reference computes log-probs and entropies from the full
 logits with torch's own log-softmax, and the reference log-probs with a plain forward, per micro-batch. Spawned
-gloo ranks then run Qwen3-MoE at TP=2 (sequence parallel, vocabulary split over the ranks), and dense Qwen3 at
-PP=2 (1F1B) and CP=2 (zigzag shards): the loss, the summed entropies and KL estimates, and the gradients (gathered
-to HF names) match the single process within 1e-5. The MoE run also checks the router load metrics: the TP ranks
-route different halves of every sequence, and their reduced counts give the single process's metrics.
+gloo ranks then run Qwen3-MoE at TP=2 (sequence parallel, vocabulary split over the ranks), dense Qwen3 at CP=2
+(zigzag shards), and DeepSeek-V3 at PP=2 (1F1B; a dense first stage, a MoE last one): the loss, the
+summed entropies and KL estimates, and the gradients (gathered to HF names) match the single process within 1e-5.
+The MoE runs also check the router load metrics: the TP ranks route different halves of every sequence, and a
+stage without MoE layers still takes part in the reduction; both give the single process's metrics.
 """
 
 from __future__ import annotations
@@ -128,16 +129,18 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path
     write = lambda arch, seed, layers: write_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), arch=arch,
                                                         seed=seed, num_layers=layers)  # fmt: skip
     return {"qwen3_moe": (write("qwen3_moe", 0, None), write("qwen3_moe", 1, None)),
-            "qwen3": (write("qwen3", 0, 4), write("qwen3", 1, 4))}  # fmt: skip
+            "qwen3": (write("qwen3", 0, None), write("qwen3", 1, None)),
+            # One dense then one MoE layer: at PP=2 the first stage has no router.
+            "deepseek_v3": (write("deepseek_v3", 0, 2), write("deepseek_v3", 1, 2))}  # fmt: skip
 
 
 def test_regularized_step_matches_single_process(model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
-    layouts = [("moe-tp2", *model_dirs["qwen3_moe"], 2, 1, 1), ("dense-pp2", *model_dirs["qwen3"], 1, 2, 1),
-               ("dense-cp2", *model_dirs["qwen3"], 1, 1, 2)]  # fmt: skip
+    layouts = [("moe-tp2", *model_dirs["qwen3_moe"], 2, 1, 1), ("dense-cp2", *model_dirs["qwen3"], 1, 1, 2),
+               ("deepseek-pp2", *model_dirs["deepseek_v3"], 1, 2, 1)]  # fmt: skip
     run_ranks(_layout_rank, 2, (layouts, [free_port() for _ in layouts[1:]]), tmp_path, 4 * TIMEOUT_S)
     references = {arch: _reference_step(*dirs) for arch, dirs in model_dirs.items()}
     assert references["qwen3"]["sums"][2] > 0.1  # the reference policy is far from the trained one
-    for name, arch in (("moe-tp2", "qwen3_moe"), ("dense-pp2", "qwen3"), ("dense-cp2", "qwen3")):
+    for name, arch in (("moe-tp2", "qwen3_moe"), ("dense-cp2", "qwen3"), ("deepseek-pp2", "deepseek_v3")):
         reference = references[arch]
         results = [torch.load(tmp_path / f"{name}-{rank}.pt", weights_only=False) for rank in range(2)]
         # Sums over the ranks holding distinct tokens' losses: CP shards; the last stage; one of the TP peers.
