@@ -126,6 +126,21 @@ class LossConfig(_Section):
     normalization: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="Loss average over all response tokens or all sequences of the global step."
     )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: the loss subtracts this times the entropy of the next-token "
+        "distribution, averaged like the policy loss. > 0 runs the model without labels and computes log-probs and "
+        "entropy from the vocabulary-parallel logits (streamrl/learner/vocab_parallel.py); 0 keeps the faster "
+        "cross-entropy path and reports no train/entropy."
+    )  # fmt: skip
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the KL penalty towards the reference policy (the initial weights of "
+        "model.path), averaged like the policy loss. > 0 keeps a frozen copy of the model on every learner rank "
+        "and runs it forward once per step (streamrl/loss/regularizers.py)."
+    )  # fmt: skip
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token KL estimator with r = log pi_ref - log pi: k1 = -r, k2 = r^2/2, "
+        "k3 = exp(r) - r - 1 (GRPO's low-variance one)."
+    )  # fmt: skip
 
 
 class OptimizerConfig(_Section):

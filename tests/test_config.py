@@ -23,6 +23,17 @@ def test_bad_value_is_named() -> None:
         build_config({**BASE, "train": {"steps": "many"}})
 
 
+def test_regularizer_coefficients_are_validated() -> None:
+    with pytest.raises(ConfigError, match=r"loss\.entropy_coef: .*greater than or equal to 0"):
+        build_config({**BASE, "loss": {"entropy_coef": -0.1}})
+    with pytest.raises(ConfigError, match=r"loss\.kl_coef: .*greater than or equal to 0"):
+        build_config({**BASE, "loss": {"kl_coef": -1}})
+    with pytest.raises(ConfigError, match=r"loss\.kl_estimator"):
+        build_config({**BASE, "loss": {"kl_estimator": "k4"}})
+    loss = build_config({**BASE, "loss": {"kl_coef": 0.1, "entropy_coef": 0.01}}).loss
+    assert (loss.kl_coef, loss.entropy_coef, loss.kl_estimator) == (0.1, 0.01, "k3")
+
+
 def test_cross_field_check_names_key() -> None:
     with pytest.raises(ConfigError, match=r"task\.target_length"):
         build_config({**BASE, "task": {"target_length": 50}, "rollout": {"max_tokens": 10}})

@@ -22,7 +22,14 @@ values are read). Under sequence parallelism (MoE models at TP>1) the length is 
 real tokens - and the result trimmed back. Every TP rank of a group must call it with the same inputs, every CP
 rank with its shard of the same row. `microbatch_logprobs(model, mb)`
 does the same for a packed `streamrl.types.MicroBatch`. Under pipeline parallelism only the last stage has
-log-probs: `model_forward` / `microbatch_forward` return any chunk's raw output (`streamrl.learner.pipeline`).
+log-probs: `model_forward` / `microbatch_forward` return any chunk's raw output (`streamrl.learner.pipeline`),
+which `per_token_outputs` turns into log-probs on the last stage.
+
+Entropy (`model_forward(..., with_entropy=True)`): the model runs without labels and returns its
+vocabulary shard of the logits (under sequence parallelism the output layer has already gathered the sequence, as
+for the cross-entropy), from which `streamrl.learner.vocab_parallel` computes both the log-probs and the entropy of
+each position's next-token distribution, still without gathering the vocabulary. The labels path stays the
+default: Megatron's cross-entropy works in place in the logits' buffer and skips the entropy's extra reduction.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.utils import get_attr_wrapped_model
 
 from streamrl.learner.context_parallel import zigzag_columns
+from streamrl.learner.vocab_parallel import vocab_parallel_logprob_entropy
 from streamrl.types import MicroBatch
 
 
@@ -105,8 +114,20 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log p(labels[:, t] | its sequence up to t) for every position, shape `[B, S]`, float32."""
     # With labels, GPTModel returns the per-token cross-entropy -log p(label) in [B, S] instead of logits.
-    loss = model_forward(model, input_ids, position_ids, labels, cu_seqlens)
-    return -loss[:, : input_ids.shape[1]].float()
+    logp, _ = per_token_outputs(model_forward(model, input_ids, position_ids, labels, cu_seqlens), input_ids.shape[1])
+    return logp
+
+
+LastStageOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # cross-entropy, or (log-prob, entropy)
+
+
+def per_token_outputs(output: LastStageOutput, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A last stage's `model_forward` output as float32 `[B, length]` (log-probs, entropy or None), the padding
+    for sequence parallelism trimmed."""
+    if isinstance(output, tuple):
+        logp, entropy = output
+        return logp[:, :length], entropy[:, :length]
+    return -output[:, :length].float(), None
 
 
 def model_forward(
@@ -115,9 +136,11 @@ def model_forward(
     position_ids: torch.LongTensor,
     labels: torch.LongTensor,
     cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The raw output of `model` (one pipeline chunk) on these inputs: the per-token cross-entropy `[B, S']` if it
-    is the last stage, else its hidden states for the next stage (`S' >= S`: sequence-parallel padding)."""
+    with_entropy: bool = False,
+) -> LastStageOutput:
+    """The raw output of `model` (one pipeline chunk) on these inputs: if it is the last stage, the per-token
+    cross-entropy `[B, S']` (or with `with_entropy` the pair (log-prob, entropy), each `[B, S']`), else its
+    hidden states for the next stage (`S' >= S`: sequence-parallel padding)."""
     if input_ids.shape != labels.shape or input_ids.shape != position_ids.shape or input_ids.dim() != 2:
         raise ValueError(
             f"input_ids/position_ids/labels: expected equal [B, S] shapes, got "
@@ -133,7 +156,12 @@ def model_forward(
     )
     mask = causal_attention_mask(input_ids.shape[1], device) if packing is None else None
     # A chunk after the first takes its input from the previous stage (`set_input_tensor`) and ignores input_ids.
-    return model(input_ids, position_ids, mask, labels=labels, packed_seq_params=packing)
+    if not with_entropy:
+        return model(input_ids, position_ids, mask, labels=labels, packed_seq_params=packing)
+    output = model(input_ids, position_ids, mask, packed_seq_params=packing)
+    if not get_attr_wrapped_model(model, "post_process"):
+        return output  # hidden states for the next stage
+    return vocab_parallel_logprob_entropy(output, labels)  # from the logits' vocabulary shard [B, S', V/tp]
 
 
 def microbatch_logprobs(model: GPTModel, mb: MicroBatch) -> torch.Tensor:
@@ -142,7 +170,8 @@ def microbatch_logprobs(model: GPTModel, mb: MicroBatch) -> torch.Tensor:
     return token_logprobs(model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels), as_t(mb.cu_seqlens))
 
 
-def microbatch_forward(model: GPTModel, mb: MicroBatch) -> torch.Tensor:
+def microbatch_forward(model: GPTModel, mb: MicroBatch, with_entropy: bool = False) -> LastStageOutput:
     """`model_forward` of a packed `MicroBatch` (one pipeline chunk's output)."""
     as_t = torch.from_numpy
-    return model_forward(model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels), as_t(mb.cu_seqlens))
+    return model_forward(model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels), as_t(mb.cu_seqlens),
+                         with_entropy)  # fmt: skip

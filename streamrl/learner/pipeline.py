@@ -1,6 +1,6 @@
 """One step's micro-batches through this rank's model chunks, scheduled by Megatron (with or without a pipeline).
 
-Contract: `run_microbatches(chunks, microbatches, loss_fn, forward_only=False) -> list[R]`.
+Contract: `run_microbatches(chunks, microbatches, loss_fn, forward_only=False, with_entropy=False) -> list[R]`.
 - Every rank of a pipeline passes the same micro-batches in the same order (the plan is deterministic).
 - Without pipeline parallelism this is Megatron's no-pipelining loop (forward then backward per micro-batch);
   with it the 1F1B schedule, or the interleaved one when each rank holds several virtual-stage chunks. Packed
@@ -8,8 +8,11 @@ Contract: `run_microbatches(chunks, microbatches, loss_fn, forward_only=False) -
   The interleaved schedule needs a micro-batch count that is a multiple of the pipeline size: the list is padded
   with filler micro-batches (one zero-weight token each).
 - On the last stage `loss_fn(logp, mb)` receives micro-batch `mb`'s float32 per-token log-probs `[1, T]` and
-  returns `(loss, result)`. The loss is back-propagated exactly as returned - it is already normalised over the
-  global step (invariant 6) - and the results come back in micro-batch order. Other stages return `[]`.
+  returns `(loss, result)`; with `with_entropy` it is called as `loss_fn(logp, mb, entropy)` with the entropy of
+  each position's next-token distribution (float32 `[1, T]`, differentiable; computed vocab-parallel from the
+  logits, `streamrl.learner.logprobs`). The loss is back-propagated exactly as returned - it is already
+  normalised over the global step (invariant 6) - and the results come back in micro-batch order. Other stages
+  return `[]`.
 - `forward_only` skips the backward (evaluation); gradients are left untouched.
 Gradient reductions (tensor/data parallel, tied embeddings) are the caller's, after this returns
 (`streamrl.learner.model`).
@@ -26,11 +29,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from streamrl.batching.microbatch import filler_microbatch
-from streamrl.learner.logprobs import microbatch_forward
+from streamrl.learner.logprobs import LastStageOutput, microbatch_forward, per_token_outputs
 from streamrl.types import MicroBatch
 
 R = TypeVar("R")
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, R]]
+LossFn = Callable[..., tuple[torch.Tensor, R]]  # (logp, mb) or, with entropy, (logp, mb, entropy) -> (loss, result)
 
 
 def _padded(microbatches: Sequence[MicroBatch]) -> list[MicroBatch]:
@@ -42,7 +45,7 @@ def _padded(microbatches: Sequence[MicroBatch]) -> list[MicroBatch]:
 
 
 def run_microbatches(chunks: Sequence[GPTModel], microbatches: Sequence[MicroBatch], loss_fn: LossFn[R],
-                     forward_only: bool = False) -> list[R]:  # fmt: skip
+                     forward_only: bool = False, with_entropy: bool = False) -> list[R]:  # fmt: skip
     """Forward (and backward) every micro-batch through the pipeline; see the module docstring."""
     if not microbatches:
         raise ValueError("microbatches: a step needs at least one micro-batch per rank")
@@ -51,11 +54,11 @@ def run_microbatches(chunks: Sequence[GPTModel], microbatches: Sequence[MicroBat
 
     def forward_step(data_iterator: Any, model: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
         mb = next(data_iterator)
-        output = microbatch_forward(model, mb)
+        output = microbatch_forward(model, mb, with_entropy)
 
-        def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            logp = -per_token_loss[:, : mb.input_ids.shape[1]].float()
-            loss, result = loss_fn(logp, mb)
+        def loss_func(last_stage_output: LastStageOutput) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            logp, entropy = per_token_outputs(last_stage_output, mb.input_ids.shape[1])
+            loss, result = loss_fn(logp, mb) if entropy is None else loss_fn(logp, mb, entropy)
             results.append(result)
             # (loss, token count, report): Megatron's per-token form, which leaves the loss unscaled.
             return loss, torch.ones((), dtype=torch.int, device=loss.device), {}

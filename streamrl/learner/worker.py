@@ -6,6 +6,10 @@ every rank; each data-parallel replica runs its micro-batches through Megatron's
 (`streamrl.learner.pipeline`: forward recomputes log-probs, the last stage computes the policy loss,
 backward), gradients are summed over data-parallel ranks, clipped by the global norm and applied.
 Only after every rank has stepped does rank 0 (first stage) commit (ack + record ids).
+With `loss.kl_coef > 0` every rank also holds a frozen copy of its chunks with the initial weights (the reference
+policy), run forward-only over the step's micro-batches before the training pass; with `loss.entropy_coef > 0`
+the training pass computes each token's entropy from the vocabulary-parallel logits. MoE models report router
+load balance per step (`streamrl.learner.router_stats`).
 `publish()` streams each stage's layers in HF names, tensor by tensor, packed into buckets: the first
 rank of every pipeline stage sends its own stage to the engines (no funnel through one rank).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 import msgpack
@@ -36,10 +41,15 @@ from streamrl.learner.model import (
     build_model_chunks,
     global_grad_norm,
 )
+from streamrl.learner.moe import num_experts
 from streamrl.learner.parallel import init_parallel
 from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
 from streamrl.learner.pipeline import run_microbatches
-from streamrl.loss.grpo import PolicyLossStats, policy_loss
+from streamrl.learner.reference import reference_chunks, reference_logprobs
+from streamrl.learner.router_stats import RouterLoad
+from streamrl.loss.grpo import PolicyLossStats
+from streamrl.loss.objective import microbatch_objective
+from streamrl.loss.regularizers import RegularizerStats
 from streamrl.net import free_port
 from streamrl.queue.admission import lag_histogram, split_by_staleness
 from streamrl.queue.codec import decode_group, encode_group
@@ -69,6 +79,9 @@ class LearnerWorker:
         self.chunks = build_model_chunks(self.hf_config, last_stage_layers=learner.last_stage_layers)
         for chunk in self.chunks:
             load_hf_weights(chunk, hf_state, self.hf_config)
+        self.reference_chunks = (reference_chunks(self.hf_config, hf_state, learner.last_stage_layers)
+                                 if config.loss.kl_coef > 0 else [])  # fmt: skip
+        self.router_load = RouterLoad(self.chunks) if num_experts(self.hf_config) else None
         self.params = [p for chunk in self.chunks for p in chunk.parameters()]
         self.device = self.params[0].device
         self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -137,19 +150,16 @@ class LearnerWorker:
         return [decode_group(blob, limit) for blob in msgpack.unpackb(buffer.numpy().tobytes())]
 
     # -- training ---------------------------------------------------------------------------------
-    def _microbatch_loss(self, logp: torch.Tensor, mb: MicroBatch
-                         ) -> tuple[torch.Tensor, tuple[float, PolicyLossStats]]:  # fmt: skip
-        """Last stage: the policy loss of one micro-batch from its per-token log-probs (packed: each sequence
-        attended only to itself), and for the metrics its value and statistics."""
-        as_t = lambda array: torch.from_numpy(array).to(logp.device)  # micro-batches are built on the host
-        weight = as_t(mb.loss_weight)
-        # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
-        # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.
-        cfg = self.config.loss
-        loss, stats = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), weight,
-                                  cfg.clip_eps, cfg.importance_cap, cfg.policy_loss, cfg.importance_level,
-                                  as_t(mb.cu_seqlens))  # fmt: skip
-        return loss, (float(loss.detach()), stats)
+    def _microbatch_loss(self, logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None = None,
+                         reference: dict[int, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, tuple[float, PolicyLossStats, RegularizerStats]]:  # fmt: skip
+        """Last stage: the loss of one micro-batch (`streamrl.loss.objective`) from its per-token log-probs (packed:
+        each sequence attended only to itself), entropies and `reference` log-probs (`reference_logprobs`), and for
+        the metrics its value and statistics."""
+        # Interleaved-schedule fillers (zero weight) have no reference pass: a KL of 0.
+        ref_logp = None if reference is None else reference.get(id(mb), logp.detach())
+        loss, stats, regularizers = microbatch_objective(self.config.loss, logp, mb, entropy, ref_logp)
+        return loss, (float(loss.detach()), stats, regularizers)
 
     def _clip_and_reduce_grads(self) -> float:
         """Complete every gradient (TP partial sums, then data/expert-data-parallel sums), clip by the global norm."""
@@ -179,12 +189,20 @@ class LearnerWorker:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         timer = StepTimer(self.device)
-        totals = np.zeros(7)
+        totals = np.zeros(9)
+        shards = [shard_microbatch(mb, self.cp_size, self.cp_rank) for mb in microbatches]
+        reference = None
+        if self.reference_chunks:
+            with timer.phase("reference_forward"):
+                reference = reference_logprobs(self.reference_chunks, shards)
+        if self.router_load is not None:
+            self.router_load.reset()
         with timer.phase("forward_backward"):
-            shards = [shard_microbatch(mb, self.cp_size, self.cp_rank) for mb in microbatches]
-            for loss, stats in run_microbatches(self.chunks, shards, self._microbatch_loss):
+            loss_fn = partial(self._microbatch_loss, reference=reference)
+            with_entropy = self.config.loss.entropy_coef > 0
+            for loss, stats, reg in run_microbatches(self.chunks, shards, loss_fn, with_entropy=with_entropy):
                 totals += [loss, stats.tokens, stats.clipped, stats.truncated,
-                           stats.importance_weight, stats.behaviour_kl, 0.0]  # fmt: skip
+                           stats.importance_weight, stats.behaviour_kl, reg.entropy, reg.kl_ref, 0.0]  # fmt: skip
         with timer.phase("grad_reduce"):
             grad_norm = self._clip_and_reduce_grads()
         with timer.phase("optimizer"):
@@ -192,29 +210,36 @@ class LearnerWorker:
         # TP peers run the same sequences, CP peers shards of them, and every stage sees every micro-batch: count
         # the FLOPs once per data-parallel replica, on its last stage (which also holds the loss statistics).
         if self.last_stage and self.cp_rank == 0:
-            totals[6] = training_flops(flops_cost_model(self.hf_config), microbatches)
+            # The reference pass adds one forward to training's three forwards' worth (forward + backward).
+            passes = 4 / 3 if self.reference_chunks else 1.0
+            totals[8] = passes * training_flops(flops_cost_model(self.hf_config), microbatches)
         reduced = torch.from_numpy(totals)
         # Over the data- and context-parallel ranks (each holds the statistics of its tokens); also: all have stepped.
         dist.all_reduce(reduced, group=self.ps.get_data_parallel_group(with_context_parallel=True))
         dist.all_reduce(reduced, group=self.ps.get_pipeline_model_parallel_group())  # the last stage's to rank 0
         peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        moe = self.router_load.metrics() if self.router_load is not None else {}
         dist.barrier()  # every rank has applied its update before the data is acked
         self.version += 1
         if self.rank != 0:
             return {}
         assert self.consumer is not None
         self.consumer.commit(admitted)
-        metrics = self._metrics(groups, reduced.numpy()[:6], grad_norm, time.perf_counter() - start, wait_s)
-        return metrics | self._perf_metrics(timer, float(reduced[6]), float(peak))
+        metrics = self._metrics(groups, reduced.numpy()[:8], grad_norm, time.perf_counter() - start, wait_s)
+        return metrics | moe | self._perf_metrics(timer, float(reduced[8]), float(peak))
 
     def _metrics(self, groups: list[TrajectoryGroup], totals: np.ndarray, grad_norm: float, step_s: float,
                  wait_s: float) -> dict[str, float]:  # fmt: skip
-        loss, tokens, clipped, truncated, is_sum, kl_sum = totals
+        loss, tokens, clipped, truncated, is_sum, kl_sum, entropy_sum, kl_ref_sum = totals
         lags = np.array([self.version - 1 - g.min_version for g in groups], dtype=np.float32)
         lengths = [len(t.response_ids) for g in groups for t in g.trajectories]
         assert self.consumer is not None
-        return {
+        loss_cfg = self.config.loss
+        regularizers = {"train/entropy": entropy_sum / max(tokens, 1)} if loss_cfg.entropy_coef > 0 else {}
+        if loss_cfg.kl_coef > 0:
+            regularizers["train/kl_ref"] = kl_ref_sum / max(tokens, 1)
+        return regularizers | {
             "train/loss": float(loss), "train/grad_norm": grad_norm, "train/policy_version": self.version,
             "train/clip_fraction": clipped / max(tokens, 1), "train/is_truncated_fraction": truncated / max(tokens, 1),
             "train/is_weight_mean": is_sum / max(tokens, 1), "train/behaviour_kl": kl_sum / max(tokens, 1),
