@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from streamrl.learner import fused
 from streamrl.learner.fused_paths import _originals
 
