@@ -110,11 +110,13 @@ class PackedSequenceAttention(MegatronModule):
         bounds = cu_seqlens.tolist()
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens: must run from 0 to the packed length {query.shape[0]}, got {bounds}")
-        # One SDPA call per sequence: exact, O(sum L^2) memory, and the fused kernels apply on GPU.
+        # One SDPA call per sequence: exact, O(sum L^2) memory, and the fused kernels apply on GPU. `split`, not
+        # slicing: its backward is one `cat` of the gradients, where each slice's would be a zero-filled full-size
+        # tensor, all of them summed.
+        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
         outputs = [
-            self._attend(*(t[start:end].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True)[0]
-            .transpose(0, 1)
-            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+            self._attend(*(t.transpose(0, 1)[None] for t in qkv), is_causal=True)[0].transpose(0, 1)
+            for qkv in zip(*(t.split(lengths) for t in (query, key, value)), strict=True)
         ]
         return torch.cat(outputs).reshape(query.shape[0], -1)
 

@@ -4,7 +4,8 @@ Contract: `GroupedExperts(num_local_experts, config, pg_collection)` is the `exp
 `MoELayer`, with the constructor and `forward` of megatron-core's `SequentialMLP` / `GroupedMLP`:
 `forward(tokens [T, H], tokens_per_expert [E_local], probs [T]) -> (out [T, H], None)`, where the dispatcher has
 sorted the tokens by local expert (the first `tokens_per_expert[0]` rows go to expert 0, ...) and each row gets
-its expert's SwiGLU MLP scaled by its routing probability, exactly as `SequentialMLP`'s per-expert loop computes:
+its expert's SwiGLU MLP scaled by its routing probability (`streamrl.learner.fused.swiglu`), exactly as
+`SequentialMLP`'s per-expert loop computes:
 
     out_t = W_down[e] ((silu(W_gate[e] x_t) * (W_up[e] x_t)) * prob_t)      for the expert e of row t
 
@@ -37,6 +38,8 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_exper
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+
+from streamrl.learner.fused import swiglu
 
 
 class StackedLinear(torch.nn.Module):
@@ -78,9 +81,8 @@ class GroupedExperts(MegatronModule):
     def forward(self, tokens: Tensor, tokens_per_expert: Tensor, probs: Tensor) -> tuple[Tensor, None]:
         # The dispatcher may hand the counts over on the host; the kernel reads the group ends on the device.
         group_ends = tokens_per_expert.cumsum(0).to(device=tokens.device, dtype=torch.int32)
-        gate, up = self.linear_fc1(tokens, group_ends).chunk(2, dim=-1)
         # As SequentialMLP: the (fp32) probabilities scale the activation, then back to the compute dtype.
-        hidden = (F.silu(gate) * up * probs.unsqueeze(-1)).to(tokens.dtype)
+        hidden = swiglu(self.linear_fc1(tokens, group_ends), probs)
         return self.linear_fc2(hidden, group_ends), None
 
     def backward_dw(self) -> None:

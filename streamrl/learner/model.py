@@ -11,7 +11,9 @@ stages), except that `last_stage_layers` may give the last stage fewer or more (
 must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer spec is used (no Transformer
 Engine / apex), with its core attention replaced on CPU and GPU alike by
 `streamrl.learner.attention.PackedSequenceAttention` so that packed micro-batches (`qkv_format='thd'`) run
-without padding. Unsupported configurations raise `ValueError` naming the field.
+without padding, and its memory-bound parts replaced by fused ones (`streamrl.learner.fused`: RMSNorm, the
+whole-vocabulary per-token cross-entropy; `streamrl.learner.fused_paths`: RoPE, MoE token permutation).
+Unsupported configurations raise `ValueError` naming the field.
 
 Training with a plain torch optimizer (not Megatron's DDP) requires, after every backward and before clipping /
 the optimizer step, `allreduce_tp_partial_grads(chunks)` (TP>1), `allreduce_data_parallel_grads(chunks)`
@@ -37,6 +39,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from streamrl.learner.attention import PackedSequenceAttention
 from streamrl.learner.experts import GroupedExperts
+from streamrl.learner.fused import token_cross_entropy
+from streamrl.learner.fused_paths import use_fused_paths
 from streamrl.learner.layout import check_pipeline_split, num_query_groups
 from streamrl.learner.mla import allow_mla_without_transformer_engine, is_mla, mla_config_fields, use_latent_modules
 from streamrl.learner.moe import (
@@ -185,9 +189,9 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
 
 
 def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
-    """One layer's local spec (MoE MLP if `sparse`) with our core attention; under sequence parallelism (and in MoE
-    models) its norms are ours, which allow it; MoE experts are our grouped GEMMs (Megatron's own need Transformer
-    Engine or the grouped_gemm package); MLA gets our latent modules (`streamrl.learner.mla`)."""
+    """One layer's local spec (MoE MLP if `sparse`) with our core attention and norms (fused, and allowing
+    sequence parallelism); MoE experts are our grouped GEMMs (Megatron's own need Transformer Engine or the
+    grouped_gemm package); MLA gets our latent modules (`streamrl.learner.mla`)."""
     mla = config.multi_latent_attention
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if sparse else None, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, multi_latent_attention=mla,
@@ -199,26 +203,34 @@ def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
         use_latent_modules(attention)
     if sparse:
         layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
-    if config.num_moe_experts or config.sequence_parallel:
-        layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-        if config.qk_layernorm and not mla:
-            attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    # Our RMSNorm: fused on the GPU (the local spec's is eager torch), and it allows sequence parallelism.
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if config.qk_layernorm and not mla:
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     return spec
 
 
 def _layer_spec(
     config: TransformerConfig, hf_config: dict[str, Any], vp_stage: int | None
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """The layer spec of a dense model without sequence parallelism, or else the per-layer specs (dense or MoE MLP)
-    of this chunk's layers."""
-    if not config.num_moe_experts and not config.sequence_parallel:
-        return _layer(config, sparse=False)
+    """The per-layer specs (dense or MoE MLP) of this chunk's layers."""
     sparse = moe_layers(hf_config)
     specs = {kind: _layer(config, kind) for kind in set(sparse)}
-    # A block spec, because a bare layer spec gets Megatron's default final norm, which refuses sequence parallel.
+    # A block spec, because a bare layer spec gets Megatron's default final norm: unfused, and it refuses sequence
+    # parallelism.
     first = get_transformer_layer_offset(config, vp_stage)  # this chunk's layers only
     chunk = sparse[first : first + get_num_layers_to_build(config, vp_stage)]
     return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in chunk], layer_norm=SequenceParallelRMSNorm)
+
+
+class _GPTModel(GPTModel):
+    """Megatron's GPTModel with `fused.token_cross_entropy` as the per-token loss when the vocabulary is whole
+    (tensor-parallel size 1): the same float32 -log p(label), without fp32 copies of the logits."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.config.tensor_model_parallel_size > 1:  # vocab-parallel logits: Megatron's all-reducing loss
+            return super().compute_language_model_loss(labels, logits)
+        return token_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1).contiguous()  # [S, B] <-> [B, S]
 
 
 def build_model_chunks(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32,
@@ -236,7 +248,8 @@ def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch
     config = transformer_config(hf_config, params_dtype, last_stage_layers)
     if config.multi_latent_attention:
         allow_mla_without_transformer_engine()
-    model = GPTModel(
+    use_fused_paths()
+    model = _GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(config, hf_config, vp_stage),
         vocab_size=hf_config["vocab_size"],

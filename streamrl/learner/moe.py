@@ -20,7 +20,8 @@ Contract:
     `moe_intermediate_size` each run on every token (one Megatron shared expert of their summed width).
     The expert bias is loaded from HF and stays frozen: it is a buffer, not a parameter, and Megatron only updates
     it from the routed-token counts in `finalize_model_grads`, which our learner does not call.
-- `SequenceParallelRMSNorm` is torch's RMSNorm for layer specs built with sequence parallelism.
+- `SequenceParallelRMSNorm` is torch's RMSNorm (computed by `streamrl.learner.fused.rms_norm`: one kernel each way
+  on the GPU) for layer specs, usable with sequence parallelism.
 
 Parallel layout (why):
 - Expert tensor parallelism is 1: each expert is whole on the rank that holds it, and expert parallelism
@@ -44,6 +45,8 @@ from typing import Any
 
 import torch
 from megatron.core.transformer import TransformerConfig
+
+from streamrl.learner.fused import rms_norm
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -169,9 +172,12 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
     Megatron's `WrappedTorchNorm` asserts that sequence parallelism is off. RMSNorm is per token, so it runs
     unchanged on a sequence shard; the weight is marked `sequence_parallel` (when it is on) because each TP rank
-    then only computes its gradient over its own tokens.
+    then only computes its gradient over its own tokens. The norm itself is `fused.rms_norm`, torch's math.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
