@@ -19,7 +19,8 @@ In the same run, the same receivers time:
   tensor as it arrives (which could leave an engine half updated: no staging).
 Each figure is the median of `--repeats` trials, timed from a barrier to the last receiver's load; "transfer"
 rows stop when the whole version is staged on the receiver, "load" rows time the load copy alone (the engine's
-pause: the transfer itself runs while the engine keeps decoding).
+pause: the transfer itself runs while the engine keeps decoding), "convert only" the learner's gather/convert
+stream with nothing sent (the publisher's floor).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
-def _learner(args: argparse.Namespace, world: int, port: int) -> None:
+def _learner(args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -> None:
     from streamrl.learner.convert import stream_hf_weights
     from streamrl.learner.model import build_gpt_model
     from streamrl.learner.parallel import init_parallel
@@ -115,6 +116,7 @@ def _learner(args: argparse.Namespace, world: int, port: int) -> None:
     options.rootRank = 0
     group.group.broadcast([torch.tensor([total], device=device)], options).wait()  # receivers size the ceiling
     ceiling = torch.empty(GiB, dtype=torch.uint8, device=device).random_()
+    convert: list[float] = []
     for trial in range(args.repeats + 1):  # trial 0 warms up NCCL and the allocator
         _barrier(group.group, device)
         sent = 0
@@ -131,6 +133,13 @@ def _learner(args: argparse.Namespace, world: int, port: int) -> None:
         for _, tensor in hf_stream():  # naive: one broadcast per tensor, as it comes out of the converter
             group.group.broadcast([tensor.contiguous()], options)
         _barrier(group.group, device)
+        start = time.perf_counter()  # the gather/convert alone, sending nothing: the publisher's own floor
+        for _ in hf_stream():
+            pass
+        torch.cuda.synchronize(device)
+        if trial:
+            convert.append(time.perf_counter() - start)
+    queue.put((0, {"convert only (learner)": convert}))
 
 
 def _load(destination: dict[str, torch.Tensor], tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -212,17 +221,18 @@ def main() -> None:
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_learner, args=(args, world, port))]
+    procs = [ctx.Process(target=_learner, args=(args, world, port, queue))]
     procs += [ctx.Process(target=_receiver, args=(r, args, world, port, queue)) for r in range(1, world)]
     for p in procs:
         p.start()
-    per_receiver = [queue.get(timeout=1800) for _ in range(world - 1)]
+    results = dict(queue.get(timeout=1800) for _ in range(world))
     for p in procs:
         p.join(120)
-    report(args, per_receiver, world)
+    learner = results.pop(0)
+    report(args, sorted(results.items()), learner, world)
 
 
-def report(args: argparse.Namespace, per_receiver: list, world: int) -> None:
+def report(args: argparse.Namespace, per_receiver: list, learner: dict[str, list[float]], world: int) -> None:
     total_bytes = per_receiver[0][1].pop("bytes")[0]
     for _, timings in per_receiver[1:]:
         timings.pop("bytes")
@@ -231,11 +241,13 @@ def report(args: argparse.Namespace, per_receiver: list, world: int) -> None:
     methods = per_receiver[0][1].keys()
     median = {m: statistics.median(max(t[m][i] for _, t in per_receiver) for i in range(args.repeats))
               for m in methods}  # fmt: skip
+    median.update({m: statistics.median(t) for m, t in learner.items()})
     ceiling, naive = median["ceiling"], median["naive per-tensor"]
     print(f"\nweight publish: {args.model}, {gb:.2f} GB bf16, {world - 1} receiver(s), {torch.cuda.get_device_name(0)}")
     print(f"{'method':<28}{'seconds':>9}{'GB/s':>9}{'vs raw':>9}{'vs naive':>10}")
     for m, s in median.items():
-        ratios = "" if m.endswith("load") else f"{ceiling / s:>9.2f}{naive / s:>10.2f}"  # a load moves no bytes
+        moves_bytes = not m.endswith(("load", "(learner)"))  # a load or a conversion alone sends nothing
+        ratios = f"{ceiling / s:>9.2f}{naive / s:>10.2f}" if moves_bytes else ""
         print(f"{m:<28}{s:>9.3f}{gb / s:>9.1f}{ratios}")
     planned = [m for m in median if m.startswith("bucketed") and not m.endswith(("transfer", "load"))]
     best = min(planned, key=median.__getitem__)
