@@ -46,7 +46,7 @@ MODELS = {
                      head_dim=128, intermediate_size=12288, vocab_size=151936),
     "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144, vocab_size=151936),
-    # Qwen3-30B-A3B cut to 12 of its 48 layers (128 experts of FFN 768 each): 4,600 expert tensors of 3 MB.
+    # Qwen3-30B-A3B cut to 12 of its 48 layers (128 experts of FFN 768 each): 4,608 expert tensors of 3 MB.
     "qwen3-30b-a3b-12layers": dict(QWEN3_MOE, num_hidden_layers=12),
 }  # fmt: skip
 # The same expert-heavy layers as HF tensors made on the GPU: bucketing + transfer + load without gather/convert.
