@@ -3,18 +3,24 @@
 Run on a machine with >= 2 GPUs (GPU 0 = learner, GPUs 1.. = receivers):
     python benchmarks/weight_publish.py --model qwen3-8b --out benchmarks/results/weight_publish.json
 
-The learner process builds a real Megatron GPTModel (fp32 master weights) from a Qwen3-shaped HF
-config with random weights and publishes it through the production path: `stream_hf_weights`
-(TP gather, fused QKV / gate-up split, HF names), cast to bf16, `WeightGroup.publish` (double-buffered
-buckets over a standalone NCCL group). Receivers stage the whole version (`WeightGroup.receive`) and
-then load it, i.e. copy every tensor into a preallocated HF-layout parameter of its own (vLLM is not
-on the GPU image: its `load_weights` does the same copy plus a few fused-layout views).
+The learner process builds a real Megatron GPTModel (fp32 master weights; for the MoE model the experts are
+stacked) from a Qwen3-shaped HF config with random weights and publishes it through the production path:
+`stream_hf_weights` (TP gather, fused QKV / gate-up split, experts one by one, HF names), cast to bf16,
+`WeightGroup.publish` (double-buffered buckets over a standalone NCCL group). Receivers stage the whole version
+(`WeightGroup.receive`) and then load it, i.e. copy every tensor into a preallocated HF-layout parameter of its
+own (vLLM is not on the GPU image: its `load_weights` does the same copy plus a few fused-layout views). The
+`-hf` model skips the learner: its HF tensors are created on the GPU directly (bucketing + transfer + load only).
 
 In the same run, the same receivers time:
 - ceiling: a raw NCCL broadcast of the same number of bytes from one flat buffer, in 1 GiB pieces;
-- naive: every HF tensor converted and broadcast on its own, received into a fresh tensor, loaded.
-Each figure is the median of `--repeats` trials, timed from a barrier to the last receiver's load
-("transfer" rows: to the moment the whole version sits in the receiver, before the load copy).
+- bucketed: every publish after the first at a bucket size (layouts planned once, payloads only);
+- first: a publish at a bucket size never used before (the layouts travel with the buckets);
+- naive: as verl-style syncs do, every HF tensor converted and broadcast on its own, the receiver loading each
+  tensor as it arrives (which could leave an engine half updated: no staging).
+Each figure is the median of `--repeats` trials, timed from a barrier to the last receiver's load; "transfer"
+rows stop when the whole version is staged on the receiver, "load" rows time the load copy alone (the engine's
+pause: the transfer itself runs while the engine keeps decoding), "convert only" the learner's gather/convert
+stream with nothing sent (the publisher's floor).
 """
 
 from __future__ import annotations
@@ -30,17 +36,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                 vocab_size=151936, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, attention_bias=False)  # fmt: skip
 MODELS = {
     # Qwen3-8B: 36 layers, hidden 4096, 32 heads / 8 KV heads of 128, FFN 12288, vocab 151936.
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936),
     "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144, vocab_size=151936),
+    # Qwen3-30B-A3B cut to 12 of its 48 layers (128 experts of FFN 768 each): 4,608 expert tensors of 3 MB.
+    "qwen3-30b-a3b-12layers": dict(QWEN3_MOE, num_hidden_layers=12),
 }  # fmt: skip
-# Expert-heavy layers shaped like Qwen3-30B-A3B (hidden 2048, 128 experts of FFN 768, 32 heads / 4 KV of
-# 128): HF tensors created directly on the GPU (the MoE converter is not built yet), so this mode times
-# bucketing + transfer + load of ~3 MB tensors, without gather/convert.
-MOE_LAYERS = {"qwen3-30b-a3b-12layers": 12}
+# The same expert-heavy layers as HF tensors made on the GPU: bucketing + transfer + load without gather/convert.
+MOE_LAYERS = {"qwen3-30b-a3b-12layers-hf": 12}
 GiB = 1 << 30
 # Parameter bytes (bf16) of models we extrapolate to.
 EXTRAPOLATE = {"Qwen3-30B-A3B": 30.5e9 * 2, "Qwen3-235B-A22B": 235e9 * 2, "DeepSeek-V3 (671B)": 671e9 * 2}
@@ -50,6 +60,15 @@ def hf_config(name: str) -> dict:
     return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
             "rope_theta": 1e6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
             "hidden_act": "silu", **MODELS[name]}  # fmt: skip
+
+
+def budgets(args: argparse.Namespace, trial: int) -> list[int]:
+    """Bucket budgets of one trial: the planned ones, then one never used before (its layouts must travel)."""
+    return [mb << 20 for mb in args.bucket_mb] + [(max(args.bucket_mb) << 20) - 16 * (trial + 1)]
+
+
+def labels(args: argparse.Namespace) -> list[str]:
+    return [f"bucketed {mb} MiB" for mb in args.bucket_mb] + [f"first {max(args.bucket_mb)} MiB"]
 
 
 def moe_tensors(layers: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -75,7 +94,7 @@ def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
-def _learner(args: argparse.Namespace, world: int, port: int) -> None:
+def _learner(args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -> None:
     from streamrl.learner.convert import stream_hf_weights
     from streamrl.learner.model import build_gpt_model
     from streamrl.learner.parallel import init_parallel
@@ -97,6 +116,7 @@ def _learner(args: argparse.Namespace, world: int, port: int) -> None:
     options.rootRank = 0
     group.group.broadcast([torch.tensor([total], device=device)], options).wait()  # receivers size the ceiling
     ceiling = torch.empty(GiB, dtype=torch.uint8, device=device).random_()
+    convert: list[float] = []
     for trial in range(args.repeats + 1):  # trial 0 warms up NCCL and the allocator
         _barrier(group.group, device)
         sent = 0
@@ -105,14 +125,21 @@ def _learner(args: argparse.Namespace, world: int, port: int) -> None:
             group.group.broadcast([ceiling[:piece]], options)
             sent += piece
         _barrier(group.group, device)
-        for bucket_mb in args.bucket_mb:
+        for budget in budgets(args, trial):
             _barrier(group.group, device)
-            group.publish(trial, hf_stream(), bucket_mb << 20)
+            group.publish(trial, hf_stream(), budget)
             _barrier(group.group, device)
         _barrier(group.group, device)
-        for _, tensor in hf_stream():
+        for _, tensor in hf_stream():  # naive: one broadcast per tensor, as it comes out of the converter
             group.group.broadcast([tensor.contiguous()], options)
         _barrier(group.group, device)
+        start = time.perf_counter()  # the gather/convert alone, sending nothing: the publisher's own floor
+        for _ in hf_stream():
+            pass
+        torch.cuda.synchronize(device)
+        if trial:
+            convert.append(time.perf_counter() - start)
+    queue.put((0, {"convert only (learner)": convert}))
 
 
 def _load(destination: dict[str, torch.Tensor], tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -146,7 +173,7 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
         _barrier(group.group, device)
         if trial:
             timings.setdefault("ceiling", []).append(time.perf_counter() - start)
-        for bucket_mb in args.bucket_mb:
+        for label in labels(args):
             _barrier(group.group, device)
             start = time.perf_counter()
             _, tensors = group.receive()
@@ -155,24 +182,25 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
             for name, tensor in tensors:
                 destination.setdefault(name, torch.empty_like(tensor))
             _load(destination, tensors)
+            torch.cuda.synchronize(device)
+            loaded_at = time.perf_counter()
             _barrier(group.group, device)
             if trial:
-                timings.setdefault(f"bucketed {bucket_mb} MiB", []).append(time.perf_counter() - start)
-                timings.setdefault(f"bucketed {bucket_mb} MiB transfer", []).append(received_at - start)
+                timings.setdefault(label, []).append(time.perf_counter() - start)
+                timings.setdefault(f"{label} transfer", []).append(received_at - start)
+                timings.setdefault(f"{label} load", []).append(loaded_at - received_at)
             shapes = [(n, tuple(t.shape)) for n, t in tensors]
+            del tensors  # the staged version: freed before the next one arrives, as an engine does once loaded
         _barrier(group.group, device)
         start = time.perf_counter()
-        naive = []
-        for _, shape in shapes:  # naive: one broadcast per tensor into a fresh buffer, then load
-            naive.append(torch.empty(shape, dtype=torch.bfloat16, device=device))
-            group.group.broadcast([naive[-1]], options).wait()
+        for name, shape in shapes:  # naive: receive each tensor into a fresh buffer and load it at once
+            tensor = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            group.group.broadcast([tensor], options).wait()
+            destination[name].copy_(tensor)
         torch.cuda.synchronize(device)
-        received_at = time.perf_counter()
-        _load(destination, [(name, tensor) for (name, _), tensor in zip(shapes, naive, strict=True)])
         _barrier(group.group, device)
         if trial:
             timings.setdefault("naive per-tensor", []).append(time.perf_counter() - start)
-            timings.setdefault("naive per-tensor transfer", []).append(received_at - start)
     queue.put((rank, timings))
 
 
@@ -193,17 +221,18 @@ def main() -> None:
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_learner, args=(args, world, port))]
+    procs = [ctx.Process(target=_learner, args=(args, world, port, queue))]
     procs += [ctx.Process(target=_receiver, args=(r, args, world, port, queue)) for r in range(1, world)]
     for p in procs:
         p.start()
-    per_receiver = [queue.get(timeout=1800) for _ in range(world - 1)]
+    results = dict(queue.get(timeout=1800) for _ in range(world))
     for p in procs:
         p.join(120)
-    report(args, per_receiver, world)
+    learner = results.pop(0)
+    report(args, sorted(results.items()), learner, world)
 
 
-def report(args: argparse.Namespace, per_receiver: list, world: int) -> None:
+def report(args: argparse.Namespace, per_receiver: list, learner: dict[str, list[float]], world: int) -> None:
     total_bytes = per_receiver[0][1].pop("bytes")[0]
     for _, timings in per_receiver[1:]:
         timings.pop("bytes")
@@ -212,22 +241,27 @@ def report(args: argparse.Namespace, per_receiver: list, world: int) -> None:
     methods = per_receiver[0][1].keys()
     median = {m: statistics.median(max(t[m][i] for _, t in per_receiver) for i in range(args.repeats))
               for m in methods}  # fmt: skip
+    median.update({m: statistics.median(t) for m, t in learner.items()})
     ceiling, naive = median["ceiling"], median["naive per-tensor"]
-    rows = [(m, s, gb / s, ceiling / s, naive / s) for m, s in median.items()]
     print(f"\nweight publish: {args.model}, {gb:.2f} GB bf16, {world - 1} receiver(s), {torch.cuda.get_device_name(0)}")
-    print(f"{'method':<22}{'seconds':>9}{'GB/s':>9}{'vs raw':>9}{'vs naive':>10}")
-    for m, s, rate, vs_ceiling, vs_naive in rows:
-        print(f"{m:<22}{s:>9.3f}{rate:>9.1f}{vs_ceiling:>9.2f}{vs_naive:>10.2f}")
-    best = min(s for m, s in median.items() if m.startswith("bucketed") and not m.endswith("transfer"))
-    rate = total_bytes / best
-    print("\nextrapolated full publish at the best bucketed rate:")
+    print(f"{'method':<28}{'seconds':>9}{'GB/s':>9}{'vs raw':>9}{'vs naive':>10}")
+    for m, s in median.items():
+        moves_bytes = not m.endswith(("load", "(learner)"))  # a load or a conversion alone sends nothing
+        ratios = f"{ceiling / s:>9.2f}{naive / s:>10.2f}" if moves_bytes else ""
+        print(f"{m:<28}{s:>9.3f}{gb / s:>9.1f}{ratios}")
+    planned = [m for m in median if m.startswith("bucketed") and not m.endswith(("transfer", "load"))]
+    best = min(planned, key=median.__getitem__)
+    rates = {"with load": total_bytes / median[best], "transfer": total_bytes / median[f"{best} transfer"]}
+    extrapolated = {kind: {n: b / rate for n, b in EXTRAPOLATE.items()} for kind, rate in rates.items()}
+    print(f"\nextrapolated full publish at the rates of {best} (with load / transfer only):")
     for name, nbytes in EXTRAPOLATE.items():
-        print(f"  {name:<20} {nbytes / 1e9:>7.0f} GB  {nbytes / rate:>7.1f} s")
+        seconds = " / ".join(f"{extrapolated[kind][name]:.2f}" for kind in rates)
+        print(f"  {name:<20} {nbytes / 1e9:>7.0f} GB  {seconds} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "model": args.model, "bytes": total_bytes, "receivers": world - 1, "gpu": torch.cuda.get_device_name(0),
         "median_seconds": median, "gbps": {m: gb / s for m, s in median.items()},
-        "extrapolated_seconds": {n: b / rate for n, b in EXTRAPOLATE.items()},
+        "extrapolated_seconds": extrapolated, "extrapolated_from": best,
     }, indent=2))  # fmt: skip
 
 

@@ -5,14 +5,23 @@ TCPStore hosted by rank 0, the publisher; ranks 1..N are engines. It is independ
 learner's own torch.distributed world, so engines can leave and join: a new `generation` gets a
 fresh store prefix and group.
 
-Wire protocol, per bucket: broadcast int64[3] `(manifest_bytes, payload_bytes, version)`, then the
-msgpack manifest (uint8), then the flat payload (uint8). The version's last bucket has
-`manifest.last`. The publisher packs bucket k+1 (which also drives the gather/convert of its
-tensors) while bucket k is still being broadcast, alternating between two reusable buffers; on
-GPU, NCCL's stream waits for the packing copies queued before each broadcast, so nothing blocks.
-Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging (invariant 4).
-Receivers stage the whole version before returning it, so a broken publish never reaches the model
-(invariant 3).
+Wire protocol. A version opens with int64[3] `(version, plan_id, mode)` and closes with int64[2]
+`(version, committed)`. A model's tensor list does not change between versions, so the bucket layouts of a
+version are planned once per bucket size and kept by every member under `plan_id`:
+- `_DISCOVER` (the first publish at a bucket size): per bucket, int64[1] layout size, the msgpack layout
+  (uint8), the flat payload (uint8); a zero size ends the version. Members keep the layouts once it commits.
+- `_PLANNED` (every later publish): only the payloads, one broadcast per planned bucket, back to back. Receivers
+  post them all at once (no host round trip per bucket) and build their tensor views while they are in flight.
+If a planned publish meets a tensor its plan does not have (the model changed), the publisher sends filler for
+the plan's remaining buckets, commits with committed=0 and raises naming the tensor; receivers raise too, both
+sides drop the plan, the next publish discovers again.
+
+The publisher packs bucket k+1 (which also drives the gather/convert of its tensors) while bucket k is still
+being broadcast, alternating between two reusable buffers; a bucket of one large tensor is sent from the
+tensor's own storage. On GPU, NCCL's stream waits for the packing copies queued before each broadcast, so
+nothing blocks. Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging (invariant 4).
+Receivers stage the whole version (fresh buffers, tensors are views of them) and return it only once the
+publisher committed it, so a broken publish never reaches the model (invariant 3).
 
 Pipeline-parallel learners publish every stage at once, each stage's first rank over its own group;
 `receive_stages(groups)` receives from all of them concurrently and returns one version only if every
@@ -31,7 +40,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from streamrl.weights.bucket import Manifest, as_bytes, bucket_nbytes, describe, pack, plan_buckets, unpack
+from streamrl.weights.bucket import Layout, as_bytes, pack, plan_buckets, unpack
+
+_PLANNED, _DISCOVER = 1, 2  # publish modes (see the module docstring)
+NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +52,7 @@ class PublishStats:
     buckets: int
     bytes: int
     seconds: float
+    discovered: bool  # the bucket layouts travelled with this version (first publish at this bucket size)
 
     @property
     def gbps(self) -> float:
@@ -62,12 +75,24 @@ class WeightGroup:
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         self._store = store  # the master store must outlive the group
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []  # the publisher's two reusable bucket buffers
+        self._in_flight: list[list[dist.Work]] = [[], []]  # per buffer: the broadcasts still reading it
+        self._plans: dict[int, tuple[Layout, ...]] = {}  # plan id -> the bucket layouts of a version
+        self._plan_ids: dict[int, int] = {}  # publisher: bucket_bytes -> plan id
+        self._next_plan_id = itertools.count()
 
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         return self.group.broadcast([tensor], options)
+
+    def _ints(self, *values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _receive_ints(self, count: int) -> list[int]:
+        values = torch.empty(count, dtype=torch.int64, device=self.device)
+        self._broadcast(values).wait()
+        return values.tolist()
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         while len(self._buffers) <= slot:
@@ -76,72 +101,106 @@ class WeightGroup:
             self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffers[slot]
 
+    def _send(self, slot: int, bucket: NamedTensors | None, layout: Layout, *control: torch.Tensor) -> None:
+        """Broadcast `control` tensors, then the bucket (None: filler of the layout's size) from buffer `slot`."""
+        for work in self._in_flight[slot]:
+            work.wait()
+        if bucket is not None and len(bucket) == 1:  # a large tensor travels from its own storage: no packing copy
+            payload = as_bytes(bucket[0][1])
+        elif bucket is not None:
+            payload = pack(bucket, self._buffer(slot, layout.nbytes), layout)
+        else:
+            payload = self._buffer(slot, layout.nbytes)[: layout.nbytes]
+        # The works hold their tensors alive until they complete; waiting on them frees the slot.
+        self._in_flight[slot] = [self._broadcast(tensor) for tensor in (*control, payload)]
+
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
                 ) -> PublishStats:  # fmt: skip
-        """Rank 0: stream one complete version to every receiver."""
+        """Rank 0: stream one complete version to every receiver; raises ValueError if it did not commit."""
         if self.rank != 0:
             raise RuntimeError("weights: only rank 0 of a weight group publishes")
-        start, total, count = time.perf_counter(), 0, 0
-        in_flight: list[list[dist.Work]] = [[], []]  # per buffer slot: the broadcasts still reading it
-        buckets = plan_buckets(named_tensors, bucket_bytes)
-        bucket = next(buckets, None)
-        while bucket is not None:
-            following = next(buckets, None)  # look ahead: this also gathers/converts the next tensors
-            slot = count % 2
-            for work in in_flight[slot]:
-                work.wait()
-            last = following is None
-            if len(bucket) == 1:  # a large tensor travels from its own storage: no packing copy
-                manifest = describe(bucket, version, count, last)
-                payload = as_bytes(bucket[0][1])
-            else:
-                buffer = self._buffer(slot, bucket_nbytes(bucket))
-                manifest = pack(bucket, buffer, version, count, last)
-                payload = buffer[: manifest.nbytes]
-            encoded = torch.frombuffer(bytearray(manifest.encode()), dtype=torch.uint8).to(self.device)
-            header = torch.tensor([encoded.numel(), manifest.nbytes, version], dtype=torch.int64, device=self.device)
-            # The works hold their tensors alive until they complete; waiting on them frees the slot.
-            in_flight[slot] = [self._broadcast(header), self._broadcast(encoded), self._broadcast(payload)]
-            total += manifest.nbytes
-            count += 1
-            bucket = following
-        for works in in_flight:
-            for work in works:
-                work.wait()
-        return PublishStats(version, count, total, time.perf_counter() - start)
+        start = time.perf_counter()
+        plan_id = self._plan_ids.get(bucket_bytes)
+        discover = plan_id is None
+        if plan_id is None:
+            plan_id = next(self._next_plan_id)
+        self._broadcast(self._ints(version, plan_id, _DISCOVER if discover else _PLANNED))
+        if discover:
+            plan, problem = self._send_discovering(named_tensors, bucket_bytes), None
+        else:
+            plan = self._plans[plan_id]
+            problem = self._send_planned(plan, named_tensors)
+        commit = self._broadcast(self._ints(version, problem is None))
+        for work in (*self._in_flight[0], *self._in_flight[1], commit):
+            work.wait()
+        self._in_flight = [[], []]
+        if problem is not None:
+            del self._plans[plan_id], self._plan_ids[bucket_bytes]
+            raise ValueError(f"weights: version {version} not published: {problem} (the next publish re-plans)")
+        self._plans[plan_id], self._plan_ids[bucket_bytes] = plan, plan_id
+        nbytes = sum(layout.nbytes for layout in plan)
+        return PublishStats(version, len(plan), nbytes, time.perf_counter() - start, discover)
 
-    def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    def _send_discovering(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                          ) -> tuple[Layout, ...]:  # fmt: skip
+        plan = []
+        for index, bucket in enumerate(plan_buckets(named_tensors, bucket_bytes)):
+            layout = Layout.of(bucket)
+            encoded = torch.frombuffer(bytearray(layout.encode()), dtype=torch.uint8).to(self.device)
+            self._send(index % 2, bucket, layout, self._ints(encoded.numel()), encoded)
+            plan.append(layout)
+        self._broadcast(self._ints(0))
+        return tuple(plan)
+
+    def _send_planned(self, plan: tuple[Layout, ...], named_tensors: Iterable[tuple[str, torch.Tensor]]
+                      ) -> str | None:  # fmt: skip
+        """Send the stream along `plan`; returns what differs from the plan (then the rest is filler), or None."""
+        tensors = iter(named_tensors)
+        problem = None
+        for index, layout in enumerate(plan):
+            bucket = list(itertools.islice(tensors, len(layout.entries)))
+            problem = problem or layout.mismatch(bucket)
+            self._send(index % 2, None if problem else bucket, layout)
+        extra = sum(1 for _ in tensors)  # drains the stream: other learner ranks take part in its gathers
+        return problem or (f"{extra} tensors more than planned" if extra else None)
+
+    def receive(self) -> tuple[int, NamedTensors]:
         """Ranks >= 1: block until a whole version has arrived; returns it (views of received buffers)."""
         if self.rank == 0:
             raise RuntimeError("weights: rank 0 publishes, it does not receive")
-        staged: list[tuple[str, torch.Tensor]] = []
-        version = None
-        previous: tuple[torch.Tensor, Manifest] | None = None
-        for index in itertools.count():
-            header = torch.empty(3, dtype=torch.int64, device=self.device)
-            self._broadcast(header).wait()
-            manifest_bytes, payload_bytes, bucket_version = (int(x) for x in header.tolist())
-            encoded = torch.empty(manifest_bytes, dtype=torch.uint8, device=self.device)
-            self._broadcast(encoded).wait()
-            manifest = Manifest.decode(encoded.cpu().numpy().tobytes())
-            if version is None:
-                version = bucket_version
-            if manifest.version != version or bucket_version != version or manifest.index != index:
-                raise ValueError(
-                    f"weights: got bucket {manifest.index} of version {manifest.version}, expected bucket {index} of "
-                    f"version {version}"
-                )
-            # A fresh buffer per bucket: the returned tensors are views of it, so staging costs no copy.
-            buffer = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
-            self._broadcast(buffer).wait()
-            # Unpack the previous bucket while this one is in flight (CPU work off the transfer's path).
-            if previous is not None:
-                staged += unpack(*previous)
-            previous = (buffer, manifest)
-            if manifest.last:
-                staged += unpack(buffer, manifest)
-                return version, staged
-        raise AssertionError("itertools.count() is endless")
+        version, plan_id, mode = self._receive_ints(3)
+        works: list[dist.Work] = []
+        staged: NamedTensors = []
+        if mode == _PLANNED:
+            plan = self._plans.get(plan_id)
+            if plan is None:
+                raise ValueError(f"weights: version {version} uses bucket plan {plan_id}, which this receiver lacks")
+            for layout in plan:
+                buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+                works.append(self._broadcast(buffer))
+                staged += unpack(buffer, layout)  # views only: host work while the bytes are in flight
+        elif mode == _DISCOVER:
+            discovered = []
+            while size := self._receive_ints(1)[0]:
+                encoded = torch.empty(size, dtype=torch.uint8, device=self.device)
+                self._broadcast(encoded).wait()
+                layout = Layout.decode(encoded.cpu().numpy().tobytes())
+                buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+                works.append(self._broadcast(buffer))
+                staged += unpack(buffer, layout)
+                discovered.append(layout)
+            plan = tuple(discovered)
+        else:
+            raise ValueError(f"weights: version {version} has unknown publish mode {mode}")
+        for work in works:
+            work.wait()
+        committed_version, committed = self._receive_ints(2)
+        if committed_version != version or not committed:
+            self._plans.pop(plan_id, None)
+            raise ValueError(f"weights: version {version} was not committed by the publisher (bucket plan {plan_id} "
+                             "no longer matches the model); the running version stays")  # fmt: skip
+        self._plans[plan_id] = plan
+        return version, staged
 
 
 def receive_stages(groups: Sequence[WeightGroup]) -> tuple[int, list[tuple[str, torch.Tensor]]]:

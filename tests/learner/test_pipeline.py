@@ -51,7 +51,7 @@ def _microbatches() -> list[MicroBatch]:
 
 
 def _loss(logp: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, float]:
-    loss = -(logp * torch.from_numpy(mb.loss_weight)).sum()
+    loss = -(logp * torch.from_numpy(mb.loss_weight).to(logp.device)).sum()  # the model may live on a GPU (NCCL)
     return loss, float(loss.detach())
 
 
@@ -61,7 +61,7 @@ def _grads_by_hf_name(chunks: list, hf_config: dict) -> dict[str, torch.Tensor]:
     saved = [p.data for p in params]
     for p in params:
         p.data = torch.zeros_like(p) if p.grad is None else p.grad  # an expert no token chose has no gradient
-    grads = {name: t.clone() for name, t in stream_hf_weights(chunks, hf_config)}
+    grads = {name: t.cpu().clone() for name, t in stream_hf_weights(chunks, hf_config)}
     for p, data in zip(params, saved, strict=True):
         p.data = data
     return grads
@@ -85,7 +85,7 @@ def _step(model_dir: Path, last_stage_layers: int | None = None, direct: bool = 
     allreduce_tp_partial_grads(chunks)
     allreduce_data_parallel_grads(chunks)
     allreduce_tied_embedding_grads(chunks)
-    weights = [(name, t.clone()) for name, t in stream_hf_weights(chunks, hf_config)]
+    weights = [(name, t.cpu().clone()) for name, t in stream_hf_weights(chunks, hf_config)]  # compared on the host
     return {"loss": sum(losses) if losses else None, "norm": global_grad_norm(chunks), "weights": weights,
             "grads": _grads_by_hf_name(chunks, hf_config),
             "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True)}  # fmt: skip

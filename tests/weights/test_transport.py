@@ -1,67 +1,107 @@
-"""The weight group over gloo: a version arrives whole and bit-exact; a dead receiver fails the publish fast."""
+"""The weight group (gloo on CPU, NCCL on GPUs): versions arrive whole and bit-exact, the first publish at a
+bucket size carries the layouts and later ones only payloads, a model whose tensors no longer match the plan
+fails the version on every member (and the next publish re-plans), and a dead receiver fails the publish fast."""
 
 import multiprocessing as mp
 import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from streamrl.net import free_port
 
 TIMEOUT_S = 20.0
+BUCKET_BYTES = 32 << 10
+CHANGED = "layer.3.weight"
 
 
-def _tensors() -> list[tuple[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    return [(f"layer.{i}.weight", torch.randn(64, 32 + i)) for i in range(12)]
+def _tensors(seed: int, changed: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Small float32 tensors (several per bucket), a bf16 one and a large one that travels alone."""
+    gen = torch.Generator().manual_seed(seed)
+    named = [(f"layer.{i}.weight", torch.randn(64, 32 + i, generator=gen)) for i in range(12)]
+    named += [("norm.weight", torch.randn(96, generator=gen).to(torch.bfloat16)),
+              ("embed.weight", torch.randn(256, 64, generator=gen))]  # fmt: skip
+    if changed:  # a model whose tensor list no longer matches the plan
+        named[3] = (CHANGED, named[3][1].reshape(32, -1))
+    return named
 
 
-def _member(rank: int, world: int, port: int, out: str, die_after_join: bool) -> None:
+# Per version: (seed, tensors changed). 5 plans the layouts, 6 reuses them, 7 breaks them, 8 re-plans.
+VERSIONS = {5: (0, False), 6: (1, False), 7: (2, True), 8: (3, False)}
+
+
+def _member(rank: int, world: int, port: int, device: str, out: str, die_after_join: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     from streamrl.weights.transport import WeightGroup
 
-    group = WeightGroup("127.0.0.1", port, rank, world, generation=0, timeout_s=TIMEOUT_S)
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    group = WeightGroup("127.0.0.1", port, rank, world, generation=0, timeout_s=TIMEOUT_S, device=device)
     if die_after_join:
         os._exit(0)  # a receiver that vanishes before the version arrives
-    if rank == 0:
+    results = []
+    for version, (seed, changed) in VERSIONS.items():
         start = time.perf_counter()
         try:
-            stats = group.publish(5, iter(_tensors()), bucket_bytes=16 << 10)
-            result = f"ok {stats.buckets} {stats.bytes}"
-        except RuntimeError as exc:
-            result = f"error {time.perf_counter() - start:.1f} {exc}"
-        Path(out, "publisher").write_text(result)
-        return
-    version, got = group.receive()
-    expected = _tensors()
-    exact = all(n == m and torch.equal(a, b) for (n, a), (m, b) in zip(expected, got, strict=True))
-    Path(out, f"receiver{rank}").write_text(f"{version} {exact} {len(got)}")
+            if rank == 0:
+                named = [(n, t.to(device)) for n, t in _tensors(seed, changed)]
+                stats = group.publish(version, iter(named), bucket_bytes=BUCKET_BYTES)
+                results.append(f"ok {stats.version} {stats.buckets} {stats.bytes} {stats.discovered}")
+            else:
+                got_version, got = group.receive()
+                exact = all(n == m and torch.equal(a, b.cpu())
+                            for (n, a), (m, b) in zip(_tensors(seed), got, strict=True))  # fmt: skip
+                results.append(f"ok {got_version} {exact} {len(got)}")
+        except (RuntimeError, ValueError) as exc:
+            results.append(f"error {time.perf_counter() - start:.1f} {exc}")
+            if "not published" not in str(exc) and "not committed" not in str(exc):
+                break  # a broken group: stop
+    Path(out, f"rank{rank}").write_text("\n".join(results))
 
 
-def _run(world: int, tmp_path: Path, dead_rank: int | None = None) -> list[mp.Process]:
+def _run(world: int, tmp_path: Path, device: str, dead_rank: int | None = None) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_member, args=(r, world, port, str(tmp_path), r == dead_rank)) for r in range(world)]
+    procs = [ctx.Process(target=_member, args=(r, world, port, device, str(tmp_path), r == dead_rank))
+             for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
     for p in procs:
-        p.join(TIMEOUT_S * 2)
+        p.join(TIMEOUT_S * 3)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
     return procs
 
 
-def test_version_arrives_whole_and_exact_at_every_receiver(tmp_path: Path) -> None:
-    procs = _run(3, tmp_path)
-    assert [p.exitcode for p in procs] == [0, 0, 0]
-    n_buckets = int((tmp_path / "publisher").read_text().split()[1])
-    assert n_buckets > 1  # the version really was split into several buckets
-    for rank in (1, 2):
-        assert (tmp_path / f"receiver{rank}").read_text() == "5 True 12"
+@pytest.mark.parametrize(("device", "world"), [("cpu", 3), pytest.param("cuda", 2, marks=pytest.mark.gpu)])
+def test_versions_arrive_whole_and_exact_and_a_changed_model_fails_everywhere(tmp_path: Path, device: str,
+                                                                             world: int) -> None:  # fmt: skip
+    if device == "cuda" and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    procs = _run(world, tmp_path, device)
+    assert [p.exitcode for p in procs] == [0] * world
+    published = (tmp_path / "rank0").read_text().splitlines()
+    assert len(published) == 4, published
+    first, planned, broken, replanned = published
+    buckets, nbytes = first.split()[2:4]
+    assert int(buckets) > 2 and int(nbytes) == sum(t.numel() * t.element_size() for _, t in _tensors(0))
+    assert first == f"ok 5 {buckets} {nbytes} True"  # the first publish carries the layouts
+    assert planned == f"ok 6 {buckets} {nbytes} False"  # the second sends payloads only, the same bytes
+    assert broken.startswith("error") and f"'{CHANGED}'" in broken and "not published" in broken
+    assert replanned == f"ok 8 {buckets} {nbytes} True"
+    for rank in range(1, world):
+        received = (tmp_path / f"rank{rank}").read_text().splitlines()
+        assert received[0] == "ok 5 True 14" and received[1] == "ok 6 True 14" and received[3] == "ok 8 True 14"
+        assert received[2].startswith("error") and "not committed" in received[2]
 
 
 def test_dead_receiver_fails_the_publish_within_the_bound(tmp_path: Path) -> None:
-    procs = _run(2, tmp_path, dead_rank=1)
+    procs = _run(2, tmp_path, "cpu", dead_rank=1)
     assert all(p.exitcode is not None for p in procs)  # nobody hung
-    result = (tmp_path / "publisher").read_text()
+    result = (tmp_path / "rank0").read_text().splitlines()[0]
     assert result.startswith("error"), result
     assert float(result.split()[1]) <= TIMEOUT_S + 5
