@@ -1,6 +1,6 @@
 """Make megatron-core 0.16.1's GPTModel (local layer spec) run forward/backward on a CPU-only PyTorch.
 
-Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available (except the two fixes marked
+Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available (except the fix marked
 "everywhere" below), and must run before the parallel world / model are
 built (`streamrl.learner.parallel.init_parallel` calls it). It raises
 `RuntimeError` on any megatron-core version other than the one these patches were checked against, because
@@ -25,11 +25,13 @@ Pipeline parallelism (Megatron's schedules and p2p communication, `streamrl.lear
   schedules` the name `torch` is bound to a view of torch whose `zeros` puts "cuda" tensors on the host.
 - Exchanging activation shapes ends with `torch.cuda.synchronize()` (a guard for NCCL's batched p2p); there is no
   device to wait for, so it is made a no-op.
-- Everywhere: with `variable_seq_lengths`, stages first exchange activation shapes in one batched p2p call on the
-  pipeline group. With two stages the previous and the next rank are the same peer, so in the interleaved
-  schedule a rank's shape sends to it (backward, then forward) are matched in issue order with its receives
-  (forward, then backward) and the shapes cross over. The exchange goes through Megatron's own unbatched
-  `_p2p_ops` instead, which sends the two directions over two different groups for exactly this case.
+- With `variable_seq_lengths`, stages first exchange activation shapes in one batched p2p call on the pipeline
+  group. With two stages the previous and the next rank are the same peer, so in the interleaved schedule a
+  rank's shape sends to it (backward, then forward) are matched in issue order with its receives (forward, then
+  backward) and the shapes cross over. On gloo the exchange goes through Megatron's own unbatched `_p2p_ops`
+  instead, which sends the two directions over two different groups for exactly this case. On NCCL that
+  exchange hung (H200, 2 GPUs), so there `streamrl.learner.parallel.init_parallel` refuses the interleaved
+  schedule with two stages instead, as Megatron-LM once did.
 - With tied embeddings, the last stage's copy of the embedding is synchronised at construction by an all-reduce
   of `weight.data.cuda()`: during `LanguageModule.setup_embeddings_and_output_layer`, `Tensor.cuda` returns the
   host tensor itself.
@@ -184,12 +186,10 @@ def apply_cpu_compat() -> None:
     global _applied
     if _applied:
         return
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    P2PCommunicator._communicate_shapes = _communicate_shapes_by_direction
     if torch.cuda.is_available():
         _applied = True
         return
@@ -198,6 +198,7 @@ def apply_cpu_compat() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -217,6 +218,7 @@ def apply_cpu_compat() -> None:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_CUDA_STREAM
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
     schedules.torch = _HostTorch("torch")
+    P2PCommunicator._communicate_shapes = _communicate_shapes_by_direction
     torch.cuda.synchronize = _no_synchronize
     LanguageModule.setup_embeddings_and_output_layer = _with_host_cuda(LanguageModule.setup_embeddings_and_output_layer)
     _applied = True

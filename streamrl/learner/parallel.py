@@ -50,6 +50,10 @@ def init_parallel(
                          f"world_size {world_size}")  # fmt: skip
     if virtual_stages < 1 or (virtual_stages > 1 and pipeline_parallel == 1):
         raise ValueError(f"virtual_stages: {virtual_stages} must be >= 1, and 1 without pipeline parallelism")
+    if virtual_stages > 1 and pipeline_parallel == 2 and torch.cuda.is_available():
+        # Both neighbours are one peer: the shape exchange of variable-length activations hangs on NCCL
+        # (see streamrl.learner.cpu_compat); gloo runs it through a per-direction exchange.
+        raise ValueError("virtual_stages: the interleaved schedule needs pipeline_parallel > 2 on GPUs")
     if context_parallel < 1 or world_size % (tensor_parallel * pipeline_parallel * context_parallel):
         raise ValueError(f"context_parallel: {context_parallel} must be >= 1 and divide world_size {world_size} "
                          f"/ (tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel})")  # fmt: skip

@@ -145,11 +145,11 @@ def _check(out_dir: Path, name: str, world: int, reference: dict, hf_state: dict
 def test_dense_pipeline_layouts_match_single_process(dense_dir: Path, tied_dir: Path, tmp_path: Path) -> None:
     layouts = [("pp2", dense_dir, 1, 2, 1, 1, None), ("pp2-vpp2", dense_dir, 1, 2, 2, 1, None),
                ("pp2-last1", dense_dir, 1, 2, 1, 1, 1), ("pp2-tied", tied_dir, 1, 2, 1, 1, None)]  # fmt: skip
+    if torch.cuda.is_available():  # two stages cannot interleave on NCCL (init_parallel refuses it)
+        layouts = [layout for layout in layouts if layout[0] != "pp2-vpp2"]
     run_ranks(_layout_rank, 2, (2, layouts, [free_port() for _ in layouts[1:]]), tmp_path, 4 * TIMEOUT_S)
-    for model_dir, names in ((dense_dir, ("pp2", "pp2-vpp2", "pp2-last1")), (tied_dir, ("pp2-tied",))):
-        reference = _reference(model_dir)
-        for name in names:
-            _check(tmp_path, name, 2, reference, load_hf_checkpoint(model_dir)[1])
+    for name, model_dir, *_ in layouts:
+        _check(tmp_path, name, 2, _reference(model_dir), load_hf_checkpoint(model_dir)[1])
 
 
 def test_moe_pipeline_with_expert_parallelism_matches_single_process(moe_dir: Path, tmp_path: Path) -> None:
