@@ -109,7 +109,7 @@ def _learner(args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -
         init_parallel(0, 1, 1, "127.0.0.1", port + 1, 600.0, seed=0)
         config = hf_config(args.model)
         model = build_gpt_model(config)
-        hf_stream = lambda: ((n, t.to(torch.bfloat16)) for n, t in stream_hf_weights(model, config))  # noqa: E731
+        hf_stream = lambda: stream_hf_weights(model, config, dtype=torch.bfloat16)  # noqa: E731
     group = WeightGroup("127.0.0.1", port, 0, world, 0, 600.0, device="cuda")
     total = sum(t.numel() * 2 for _, t in hf_stream())
     options = dist.BroadcastOptions()

@@ -372,8 +372,15 @@ def megatron_to_hf(mcore_state: Mapping[str, Tensor], hf_config: dict[str, Any])
             yield from zip(hf_names, _split(part_name, part, hf_config), strict=True)
 
 
+# Kept in float32 whatever the streaming dtype: DeepSeek-V3's router bias, as HF stores it and engines load it.
+_FLOAT32_STATE = (".mlp.router.expert_bias",)
+
+
 def gather_tp_shards(
-    model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None
+    model: torch.nn.Module,
+    tp_group: dist.ProcessGroup | None = None,
+    ep_group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield each parameter's (and persistent buffer's: MoE expert bias) full tensor under its full name,
     all-gathering TP shards and EP ranks' experts.
@@ -383,7 +390,9 @@ def gather_tp_shards(
     the EP group expert by expert (global experts j, E/EP + j, ... for local row j, under single-expert names), so
     every rank yields every tensor exactly once and holds at most EP experts' weights of it at a time. Replicated
     tensors (and everything at TP=1, EP=1) are yielded as detached views of the live parameters, so copy them
-    before the next optimizer step if they must persist.
+    before the next optimizer step if they must persist. With `dtype` every tensor (but the float32 router bias)
+    is cast before it is gathered: one cast per parameter (a stacked expert weight is cast whole, not expert by
+    expert), and the gathers move the smaller tensors.
     """
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -397,6 +406,8 @@ def gather_tp_shards(
             continue
         name = model_wide[local_name]
         local = param.detach()
+        if dtype is not None and not name.endswith(_FLOAT32_STATE):
+            local = local.to(dtype)
         if is_expert_parameter(name):  # stacked [E/EP, ...], whole experts (expert TP 1): only EP splits them
             for row, expert in enumerate(local):
                 parts = [expert]
@@ -420,10 +431,12 @@ def stream_hf_weights(
     hf_config: dict[str, Any],
     tp_group: dist.ProcessGroup | None = None,
     ep_group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
-    """Stream this stage's full weights under HF names on every rank (a collective, see `gather_tp_shards`)."""
+    """Stream this stage's full weights under HF names on every rank, cast to `dtype` if given (a collective, see
+    `gather_tp_shards`)."""
     for chunk in [chunks] if isinstance(chunks, torch.nn.Module) else chunks:
-        for name, full in gather_tp_shards(chunk, tp_group, ep_group):
+        for name, full in gather_tp_shards(chunk, tp_group, ep_group, dtype):
             yield from megatron_to_hf({name: full}, hf_config)
 
 

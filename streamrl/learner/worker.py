@@ -58,8 +58,6 @@ from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
 from streamrl.weights.transport import WeightGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Tensors the engines keep in float32 whatever the model dtype: DeepSeek-V3's router bias, as HF stores it.
-_FP32_TENSORS = (".e_score_correction_bias",)
 
 
 class LearnerWorker:
@@ -288,8 +286,7 @@ class LearnerWorker:
         materialises a whole stage, except with `train.publish_lag` (an ablation knob) which keeps that many
         past versions to send instead."""
         dtype = _DTYPES[self.config.rollout.dtype]
-        named = ((name, tensor if name.endswith(_FP32_TENSORS) else tensor.to(dtype))
-                 for name, tensor in stream_hf_weights(self.chunks, self.hf_config))  # fmt: skip
+        named = stream_hf_weights(self.chunks, self.hf_config, dtype=dtype)
         lag = self.config.train.publish_lag
         if lag:
             self._past_versions.append((version, [(name, tensor.clone()) for name, tensor in named]))

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.learner.convert import hf_to_megatron, load_hf_checkpoint, load_hf_weights, megatron_names, megatron_to_hf
+from streamrl.learner.convert import (
+    hf_to_megatron,
+    load_hf_checkpoint,
+    load_hf_weights,
+    megatron_names,
+    megatron_to_hf,
+    stream_hf_weights,
+)
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.mla import mla_config_fields
 from streamrl.learner.model import build_gpt_model
@@ -161,3 +168,15 @@ def test_tp2_ep2_matches_single_process(ds_dir: Path, reference: tuple, tmp_path
     layouts = [(2, 2)]  # 4 ranks: TP pairs {0,1}, {2,3} each run half the batch; EP pairs are the TP pairs
     run_ranks(_parallel_rank, 4, (4, layouts, [], ds_dir), tmp_path, 3 * TIMEOUT_S)
     _check_layouts(tmp_path, 4, layouts, reference, load_hf_checkpoint(ds_dir)[1])
+
+
+def test_streaming_in_the_engine_dtype_casts_once_and_keeps_the_router_bias(tp1_world: None, ds_dir: Path) -> None:
+    """The publish path: every tensor in bf16 (stacked experts cast whole), the router bias still float32."""
+    hf_config, hf_state = load_hf_checkpoint(ds_dir)
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, hf_state, hf_config)
+    streamed = dict(stream_hf_weights(model, hf_config, dtype=torch.bfloat16))
+    assert streamed.keys() == hf_state.keys()
+    for name, tensor in streamed.items():
+        expected = hf_state[name] if name.endswith("e_score_correction_bias") else hf_state[name].to(torch.bfloat16)
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
