@@ -90,6 +90,17 @@ class LearnerConfig(_Section):
         "ranks (an expert is never split by TP); they come out of a pipeline stage's TP x CP x DP ranks, so it "
         "must divide TP x CP x DP."
     )  # fmt: skip
+    params_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype of the model's weights, activations and gradients; bfloat16 keeps float32 "
+        "master weights and Adam state in the optimizer (Megatron's mixed-precision optimizer)."
+    )  # fmt: skip
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation: selective recomputes each layer's core attention in "
+        "backward; full recomputes whole blocks of recompute_num_layers layers (Megatron's uniform method)."
+    )  # fmt: skip
+    recompute_num_layers: int = Field(
+        1, ge=1, description="recompute=full: layers per recomputed block (only its input is kept)."
+    )
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
     collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
     peak_tflops: float | None = Field(
@@ -110,6 +121,8 @@ class LearnerConfig(_Section):
         if self.pipeline_parallel == 1 and (self.virtual_stages > 1 or self.last_stage_layers is not None):
             field = "virtual_stages" if self.virtual_stages > 1 else "last_stage_layers"
             raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
+        if self.recompute != "full" and self.recompute_num_layers != 1:
+            raise ValueError("learner.recompute_num_layers: only used with learner.recompute 'full'")
         return self
 
 
@@ -146,8 +159,32 @@ class LossConfig(_Section):
 class OptimizerConfig(_Section):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW (decoupled) weight decay; Megatron exempts biases and 1-D weights (norms)."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    distributed: bool = Field(
+        True, description="Megatron's distributed optimizer: master weights and Adam state sharded over the "
+        "data-parallel (x context-parallel) ranks, gradients reduce-scattered (ZeRO-1); off: all-reduced, "
+        "every rank keeps the whole state."
+    )  # fmt: skip
+    grad_reduce_in_fp32: bool = Field(
+        True, description="Accumulate and reduce gradients in float32 even when learner.params_dtype is bfloat16."
+    )
+    cpu_offload: bool = Field(
+        False, description="Keep offload_fraction of the optimizer state and its update on the host (Megatron's "
+        "HybridDeviceOptimizer); needs distributed. A no-op without a GPU, where everything already lives on the host."
+    )  # fmt: skip
+    offload_fraction: float = Field(
+        1.0, ge=0.0, le=1.0, description="cpu_offload: the fraction of the optimizer state kept on the host."
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_distributed(self) -> OptimizerConfig:
+        if self.cpu_offload and not self.distributed:
+            raise ValueError("optimizer.cpu_offload: needs optimizer.distributed (Megatron's distributed optimizer)")
+        return self
 
 
 class QueueConfig(_Section):

@@ -41,6 +41,14 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "task": {"name": "math"}})
     with pytest.raises(ConfigError, match=r"queue\.url"):
         build_config({**BASE, "queue": {"url": "http://x"}})
+    with pytest.raises(ConfigError, match=r"optimizer\.cpu_offload: needs optimizer\.distributed"):
+        build_config({**BASE, "optimizer": {"cpu_offload": True, "distributed": False}})
+    with pytest.raises(ConfigError, match=r"optimizer\.offload_fraction: .*less than or equal to 1"):
+        build_config({**BASE, "optimizer": {"cpu_offload": True, "offload_fraction": 1.5}})
+    with pytest.raises(ConfigError, match=r"learner\.recompute_num_layers: only used with learner\.recompute 'full'"):
+        build_config({**BASE, "learner": {"recompute": "selective", "recompute_num_layers": 2}})
+    with pytest.raises(ConfigError, match=r"learner\.recompute: .*'none', 'selective' or 'full'"):
+        build_config({**BASE, "learner": {"recompute": "some"}})
 
 
 def test_dotted_overrides_are_typed(tmp_path: Path) -> None:

@@ -1,13 +1,14 @@
 """Learner checkpoints: Megatron distributed checkpoints that reload under another parallel layout.
 
 Contract: every learner rank calls `save_checkpoint(...)` / `load_checkpoint(...)` together (collectives over
-the default process group). The model's `sharded_state_dict()` and AdamW's `exp_avg` / `exp_avg_sq` (laid out
-like their parameters: same global shape and shard offsets, key `optimizer.<state>.<param key>`) are written
-with `megatron.core.dist_checkpointing` (torch_dist backend), so a checkpoint saved with TP=2 loads with TP=1
-and vice versa, and pipeline stages (each rank saves its chunks; Megatron keys layers by their model-wide number)
-may change too. AdamW's step count, the policy version and the step sit in the common state: one step count for
-all parameters, as Megatron's optimizers keep it (an expert that no token chose skipped some AdamW steps; it
-resumes with the common count).
+the default process group). The model's `sharded_state_dict()` and the Megatron optimizer's
+(`streamrl.learner.optimizer`: float32 master weights when the model is bfloat16, Adam's `exp_avg` /
+`exp_avg_sq`; the distributed optimizer's shards in its "fully_reshardable" format, i.e. gathered and laid out like
+their parameters whatever the data-parallel sharding) are written with `megatron.core.dist_checkpointing`
+(torch_dist backend), so a checkpoint saved with TP=2 loads with TP=1 and vice versa, and pipeline stages (each
+rank saves its chunks; Megatron keys layers by their model-wide number) and data-parallel sizes may change too.
+Adam's step count, the policy version and the step sit in the common state: one step count for all parameters,
+as Megatron's optimizers keep it. Save and load must use the same `optimizer.distributed` setting.
 Optimizer hyperparameters (lr, betas, ...) come from the config at load time, not from the checkpoint.
 
 RNG: each rank's torch (and CUDA) generator and Megatron model-parallel tracker states are saved per rank;
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 if TYPE_CHECKING:  # the config module needs pydantic, which a learner-only install may lack
@@ -62,7 +63,9 @@ LATEST = "latest"
 META = "meta.json"
 _DIST = "dist"  # the dist_checkpointing directory inside a step directory
 _STEP_DIR = re.compile(r"step_(\d{8})")
-_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+# The distributed optimizer's state saved per parameter, laid out like it (reloads under another TP/PP/DP layout);
+# no prefix per chained (dense / expert) optimizer, as Megatron-LM saves it.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 class CheckpointError(RuntimeError):
@@ -139,15 +142,22 @@ def _write_atomically(file: Path, text: str) -> None:
     os.replace(tmp, file)
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """AdamW's state of `param`, created as a fresh (zero) state before the first step, which AdamW treats the
-    same as no state: so a checkpoint always has every tensor, and loading can write into it."""
-    state = optimizer.state[param]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        for name in _ADAM_STATES:
-            state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return state
+def _adam_instances(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
+    """The torch Adam optimizers inside a Megatron (chained) optimizer."""
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _ensure_adam_state(optimizer: MegatronOptimizer) -> None:
+    """Give every parameter of the Adam instances inside `optimizer` a state: the fresh (zero) one before their first
+    step, which torch's AdamW treats the same as no state. Megatron's state dict needs one common step count, which
+    an empty state lacks (a checkpoint before the first step; a fresh optimizer about to load one)."""
+    for inner in _adam_instances(optimizer):
+        for param in (p for group in inner.param_groups for p in group["params"]):
+            state = inner.state[param]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -171,28 +181,17 @@ def _chunk_list(chunks: Chunks) -> list[torch.nn.Module]:
     return [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
 
 
-def _optimizer_state(model_state: dict | list, optimizer: torch.optim.Optimizer) -> dict:
-    """AdamW's state as sharded tensors laid out like their parameters, plus the common step count."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    sharded_params = get_param_id_to_sharded_param_map(model_state, params)
-    adam = {name: {} for name in _ADAM_STATES}
-    for index, param in enumerate(params):
-        state = _adam_state(optimizer, param)
-        for name in _ADAM_STATES:
-            adam[name][index] = make_sharded_optimizer_tensor(sharded_params[index], state[name], f"optimizer.{name}")
-    step = max(int(_adam_state(optimizer, p)["step"].item()) for p in params)
-    return {**adam, "step": step}
-
-
-def _sharded_state(chunks: Chunks, optimizer: torch.optim.Optimizer | None, rng_world: int | None) -> dict:
-    """What a checkpoint holds, as a dist_checkpointing sharded state dict; `optimizer` None leaves AdamW's state
-    out, `rng_world` None the RNG states (else: the world size whose per-rank states to include)."""
+def _sharded_state(chunks: Chunks, optimizer: MegatronOptimizer | None, rng_world: int | None,
+                   is_loading: bool) -> dict:  # fmt: skip
+    """What a checkpoint holds, as a dist_checkpointing sharded state dict; `optimizer` None leaves the optimizer's
+    state out, `rng_world` None the RNG states (else: the world size whose per-rank states to include)."""
     models = _chunk_list(chunks)
     # Shards are matched by their model-wide keys, so how the chunks nest here does not constrain a reload.
     model_state = models[0].sharded_state_dict() if len(models) == 1 else [m.sharded_state_dict() for m in models]
     out: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
-        out["optimizer"] = _optimizer_state(model_state, optimizer)
+        _ensure_adam_state(optimizer)
+        out["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)
     if rng_world is not None:
         rank = dist.get_rank()
         out["rng"] = ShardedObject("rng_state", _rng_state(), (rng_world,), (rank,), replica_id=0)
@@ -205,7 +204,7 @@ def _layout() -> tuple[int, int, int]:
             ps.get_data_parallel_world_size())  # fmt: skip
 
 
-def save_checkpoint(root: Path, step: int, version: int, chunks: Chunks, optimizer: torch.optim.Optimizer,
+def save_checkpoint(root: Path, step: int, version: int, chunks: Chunks, optimizer: MegatronOptimizer,
                     config_hash: str) -> Path:  # fmt: skip
     """Collective: write `root/step_{step:08d}` and point `root/latest` at it; returns the step directory."""
     path = step_dir(root, step)
@@ -214,7 +213,7 @@ def save_checkpoint(root: Path, step: int, version: int, chunks: Chunks, optimiz
         shutil.rmtree(path, ignore_errors=True)
         (path / _DIST).mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(chunks, optimizer, dist.get_world_size())
+    state = _sharded_state(chunks, optimizer, dist.get_world_size(), is_loading=False)
     state.update(step=step, version=version)
     dist_checkpointing.save(state, str(path / _DIST))  # ends with a barrier: every rank's shards are on disk
     if rank == 0:
@@ -226,13 +225,14 @@ def save_checkpoint(root: Path, step: int, version: int, chunks: Chunks, optimiz
     return path
 
 
-def load_checkpoint(path: Path, chunks: Chunks, optimizer: torch.optim.Optimizer | None) -> CheckpointMeta:
-    """Collective: load the model weights saved at `path`; with an `optimizer` also AdamW's state and (same
-    layout only) the RNG states, i.e. everything to continue training. Without one: the weights alone (export)."""
+def load_checkpoint(path: Path, chunks: Chunks, optimizer: MegatronOptimizer | None) -> CheckpointMeta:
+    """Collective: load the model weights saved at `path`; with an `optimizer` also its state (master weights, Adam
+    moments, step) and (same layout only) the RNG states, i.e. everything to continue training. Without one: the
+    weights alone (export)."""
     meta = read_meta(path)
     saved_layout = (meta.tensor_parallel, meta.pipeline_parallel, meta.data_parallel)
     restore_rng = optimizer is not None and saved_layout == _layout()
-    state = _sharded_state(chunks, optimizer, dist.get_world_size() if restore_rng else None)
+    state = _sharded_state(chunks, optimizer, dist.get_world_size() if restore_rng else None, is_loading=True)
     loaded = dist_checkpointing.load(state, str(path / _DIST))
     if (loaded["step"], loaded["version"]) != (meta.step, meta.version):
         raise CheckpointError(f"{path / META}: fields 'step'/'version' are {meta.step}/{meta.version} but the saved "
@@ -241,11 +241,12 @@ def load_checkpoint(path: Path, chunks: Chunks, optimizer: torch.optim.Optimizer
     for model, model_state in zip(models, [loaded["model"]] if len(models) == 1 else loaded["model"], strict=True):
         model.load_state_dict(model_state)
     if optimizer is not None:
-        for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-            adam = optimizer.state[param]  # created by _sharded_state
-            for name in _ADAM_STATES:
-                adam[name].copy_(loaded["optimizer"][name][index])
-            adam["step"].fill_(loaded["optimizer"]["step"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        # Megatron hands every parameter's state the same "step" tensor, which torch's AdamW would then increment
+        # once per parameter: each gets its own.
+        for inner in _adam_instances(optimizer):
+            for adam in inner.state.values():
+                adam["step"] = adam["step"].clone()
     if restore_rng:
         _set_rng_state(loaded["rng"])
     return meta

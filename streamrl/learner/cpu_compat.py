@@ -1,19 +1,21 @@
 """Make megatron-core 0.16.1's GPTModel (local layer spec) run forward/backward on a CPU-only PyTorch.
 
-Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available (except the fix marked
+Contract: `apply_cpu_compat()` is idempotent, does nothing when CUDA is available (except the fixes marked
 "everywhere" below), and must run before the parallel world / model are
 built (`streamrl.learner.parallel.init_parallel` calls it). It raises
 `RuntimeError` on any megatron-core version other than the one these patches were checked against, because
 each patch replaces a specific code path that may move or change between releases.
 
-What is patched, and only what our learner path (local spec, no Megatron optimizer / DDP / activation
-recompute / inference) actually hits:
+What is patched, and only what our learner path (local spec, Megatron's DDP and optimizer, activation
+recompute; no inference) actually hits:
 - `torch.cuda.current_device()` raises on a CPU build, yet Megatron uses it as the device for the attention
   scratch buffer (`GlobalMemoryBuffer.get_tensor`) and moves RoPE `inv_freq` there on every forward; it is
   made to return the CPU device.
 - The model-parallel RNG tracker (`CudaRNGStatesTracker.add` / `.fork`, used by `model_parallel_cuda_manual_seed`
   and around attention dropout on every forward) reads and writes CUDA generator states; on CPU it tracks the
   CPU default generator's state instead.
+- Activation recomputation (`CheckpointFunction`) saves and restores the CUDA generator's state next to the host's
+  and the tracker's (`_get_all_rng_states` / `_set_all_rng_states`); on CPU only the host's and the tracker's.
 - `get_default_causal_mask` builds its mask on "cuda"; it is rebuilt on the CPU (only reached when a caller
   passes no attention mask).
 - Distributed checkpointing (torch_dist backend) stages tensors to host memory with non-blocking copies and then
@@ -35,6 +37,22 @@ Pipeline parallelism (Megatron's schedules and p2p communication, `streamrl.lear
 - With tied embeddings, the last stage's copy of the embedding is synchronised at construction by an all-reduce
   of `weight.data.cuda()`: during `LanguageModule.setup_embeddings_and_output_layer`, `Tensor.cuda` returns the
   host tensor itself.
+
+Megatron's DDP and optimizer (`streamrl.learner.optimizer`; DDP itself allocates its buffers on
+`torch.cuda.current_device()`, patched above):
+- The optimizers create their scalars (found-inf flag, loss scale, norm buffers) with `device="cuda"`: inside
+  `megatron.core.optimizer.{optimizer, distrib_optimizer, clip_grads, grad_scaler}` the name `torch` is bound to
+  the view of torch whose `zeros` / `tensor` put "cuda" tensors on the host.
+- The mixed-precision / distributed optimizer constructors and `clip_grad_by_total_norm_fp32` accept parameters
+  and gradients by their type names, which must be "torch.cuda.*Tensor": while they run, `Tensor.type()` names
+  host tensors as CUDA ones.
+- Without TE/apex the grad norm is `local_multi_tensor_l2_norm`, which moves its result to "cuda"; the same norm
+  is computed with the result left on the host.
+- The distributed optimizer's reshardable checkpoint gathers its shards with `send_tensor.cuda()`
+  (`get_parameter_state_dp_zero`): while it runs, `Tensor.cuda` returns the host tensor itself.
+- Everywhere (no TE/apex on either machine, so torch's AdamW): the distributed optimizer's reshardable load
+  copies every key of the per-parameter state from the loaded tensors, including torch AdamW's "step", which the
+  load does not carry (it sets the common step itself): a KeyError. Only the loaded tensors are copied.
 
 Mixture-of-experts (`streamrl.learner.moe`: local spec, "alltoall" token dispatcher):
 - Everywhere: without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the
@@ -104,6 +122,21 @@ def _cpu_tracker_fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
         self._current_state_name = orig_name
 
 
+def _cpu_all_rng_states() -> tuple[torch.Tensor, None, dict[str, Any]]:
+    """`_get_all_rng_states` without a CUDA generator: the host generator's and the tracker's states."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return torch.get_rng_state(), None, get_cuda_rng_tracker().get_states()
+
+
+def _cpu_set_all_rng_states(cpu_rng_state: torch.Tensor, cuda_rng_state: None, tracker_states: dict[str, Any]) -> None:
+    """`_set_all_rng_states` without a CUDA generator."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(cpu_rng_state)
+    get_cuda_rng_tracker().set_states(tracker_states)
+
+
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
@@ -127,15 +160,24 @@ def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor 
     return tokens_per_expert
 
 
+def _host(device: Any) -> Any:
+    return "cpu" if device == "cuda" else device
+
+
 class _HostTorch(types.ModuleType):
-    """torch, except that `zeros(..., device="cuda")` allocates on the host (bound as `torch` in the schedules)."""
+    """torch, except that `zeros` / `tensor` with `device="cuda"` allocate on the host (bound as `torch` in the
+    schedules and the optimizer modules)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+        return torch.zeros(*size, device=_host(device), **kwargs)
+
+    @staticmethod
+    def tensor(data: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(data, device=_host(device), **kwargs)
 
 
 def _no_synchronize(device: Any = None) -> None:
@@ -177,19 +219,68 @@ def _communicate_shapes_by_direction(self: Any, tensor_send_next: torch.Tensor |
     return shapes[0], shapes[1]
 
 
+def _host_multi_tensor_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                               per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """`local_multi_tensor_l2_norm` (the L2 norm of all the tensors together) with its result left on the host."""
+    norms = torch.stack([torch.linalg.vector_norm(t) for tensors in tensor_lists for t in tensors])
+    return torch.linalg.vector_norm(norms).float().reshape(1), None
+
+
+def _with_cuda_type_names(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `method` with `Tensor.type()` naming host tensors as CUDA ones ("torch.cuda.FloatTensor"), the only
+    names the optimizers' parameter checks accept; `type(dtype)` conversions are untouched."""
+    original = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        torch.Tensor.type = cuda_type
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapper
+
+
+def _set_main_param_and_optimizer_states(self: Any, model_param: torch.nn.Parameter,
+                                        tensors: dict[str, torch.Tensor]) -> None:  # fmt: skip
+    """`DistributedOptimizer._set_main_param_and_optimizer_states` copying only the tensors it is given.
+
+    With torch's AdamW the per-parameter state also holds "step" (already set from the checkpoint's common step by
+    `load_state_dict`), which the original tries to copy from `tensors` too: a KeyError on every reshardable load.
+    (The precision-aware path, which we do not use, stores its state elsewhere and is rejected.)
+    """
+    if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        raise NotImplementedError("streamrl: the precision-aware optimizer is not supported")
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    destinations = {"param": main_param, **self.optimizer.state[main_param]}
+    for key, tensor in tensors.items():
+        destinations[key].copy_(tensor)
+
+
 # Stands in for the dispatcher's shared CUDA stream so that its constructor does not create one.
 _NO_CUDA_STREAM = object()
 
 
 def apply_cpu_compat() -> None:
-    """Apply the patches described in the module docstring (once; only the missing-name fix when CUDA is available)."""
+    """Apply the patches described in the module docstring (once; only the "everywhere" ones when CUDA is available)."""
     global _applied
     if _applied:
         return
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if not HAVE_APEX_OR_TE:  # torch's AdamW: its state has a "step" per parameter
+        DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     if torch.cuda.is_available():
         _applied = True
         return
@@ -211,6 +302,8 @@ def apply_cpu_compat() -> None:
     torch.cuda.current_device = _cpu_current_device
     mp_random.CudaRNGStatesTracker.add = _cpu_tracker_add
     mp_random.CudaRNGStatesTracker.fork = _cpu_tracker_fork
+    mp_random._get_all_rng_states = _cpu_all_rng_states
+    mp_random._set_all_rng_states = _cpu_set_all_rng_states
     # fused_softmax imported the function by name, so its module-level reference is the one that is called.
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
@@ -221,4 +314,20 @@ def apply_cpu_compat() -> None:
     P2PCommunicator._communicate_shapes = _communicate_shapes_by_direction
     torch.cuda.synchronize = _no_synchronize
     LanguageModule.setup_embeddings_and_output_layer = _with_host_cuda(LanguageModule.setup_embeddings_and_output_layer)
+    _patch_optimizers()
     _applied = True
+
+
+def _patch_optimizers() -> None:
+    """The distributed-data-parallel / optimizer patches of the module docstring."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+
+    for module in (optimizer, distrib_optimizer, clip_grads, grad_scaler):
+        module.torch = _HostTorch("torch")
+    clip_grads.l2_norm_impl = _host_multi_tensor_l2_norm
+    # optimizer.py imported the function by name: its module-level reference is the one that is called.
+    optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    gather = distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero
+    distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero = _with_host_cuda(gather)

@@ -15,19 +15,16 @@ without padding, and its memory-bound parts replaced by fused ones (`streamrl.le
 whole-vocabulary per-token cross-entropy; `streamrl.learner.fused_paths`: RoPE, MoE token permutation).
 Unsupported configurations raise `ValueError` naming the field.
 
-Training with a plain torch optimizer (not Megatron's DDP) requires, after every backward and before clipping /
-the optimizer step, `allreduce_tp_partial_grads(chunks)` (TP>1), `allreduce_data_parallel_grads(chunks)`
-(data- or context-parallel ranks, or TP>1 with experts) and, for tied embeddings split over pipeline stages,
-`allreduce_tied_embedding_grads(chunks)`: see their docstrings. They take one model or this rank's chunks.
+Gradients are completed (data/context/expert-data-parallel, TP-partial and tied-embedding sums) by Megatron's DDP
+(`streamrl.learner.optimizer`), which finds the TP-partial ones by Megatron's own marks (`sequence_parallel`, the
+q/k layernorms) and the expert weights by `allreduce=False`, set here at every layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -122,12 +119,25 @@ def _pipeline_fields(hf_config: dict[str, Any], last_stage_layers: int | None) -
     )
 
 
+def _recompute_fields(recompute: str, recompute_num_layers: int) -> dict[str, Any]:
+    """Megatron's activation recomputation for `learner.recompute` (none, selective, full)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":  # the core attention only (Megatron's default recompute_modules)
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+    raise ValueError(f"learner.recompute: expected none, selective or full, got {recompute!r}")
+
+
 def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32,
-                       last_stage_layers: int | None = None) -> TransformerConfig:  # fmt: skip
+                       last_stage_layers: int | None = None, recompute: str = "none",
+                       recompute_num_layers: int = 1) -> TransformerConfig:  # fmt: skip
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
-    `params_dtype` float32 (the default) keeps master weights in the model so a plain torch AdamW
-    updates them; bfloat16 computes in bf16 (used by the GPU throughput benchmark).
+    `params_dtype` is the dtype of the model's weights and activations (bfloat16: Megatron's optimizer keeps float32
+    master weights, `streamrl.learner.optimizer`); `recompute` selects activation recomputation (none, selective:
+    core attention, full: blocks of `recompute_num_layers` layers).
     """
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()
@@ -184,8 +194,13 @@ def transformer_config(hf_config: dict[str, Any], params_dtype: torch.dtype = to
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **attention,
-        **(_pipeline_fields(hf_config, last_stage_layers) | moe),
+        **(_pipeline_fields(hf_config, last_stage_layers) | moe | _recompute_fields(recompute, recompute_num_layers)),
     )
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether the Megatron parameter `name` is a routed expert's weight (held per expert-parallel rank)."""
+    return ".mlp.experts." in name
 
 
 def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
@@ -234,18 +249,19 @@ class _GPTModel(GPTModel):
 
 
 def build_model_chunks(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32,
-                       last_stage_layers: int | None = None) -> list[GPTModel]:  # fmt: skip
+                       last_stage_layers: int | None = None, recompute: str = "none",
+                       recompute_num_layers: int = 1) -> list[GPTModel]:  # fmt: skip
     """This rank's model chunks, in virtual-stage order (one without virtual stages); see the module docstring."""
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if virtual is None:
-        return [build_gpt_model(hf_config, params_dtype, None, last_stage_layers)]
-    return [build_gpt_model(hf_config, params_dtype, stage, last_stage_layers) for stage in range(virtual)]
+    return [build_gpt_model(hf_config, params_dtype, stage, last_stage_layers, recompute, recompute_num_layers)
+            for stage in ([None] if virtual is None else range(virtual))]  # fmt: skip
 
 
 def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
-                    last_stage_layers: int | None = None) -> GPTModel:  # fmt: skip
+                    last_stage_layers: int | None = None, recompute: str = "none",
+                    recompute_num_layers: int = 1) -> GPTModel:  # fmt: skip
     """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`; see the module docstring."""
-    config = transformer_config(hf_config, params_dtype, last_stage_layers)
+    config = transformer_config(hf_config, params_dtype, last_stage_layers, recompute, recompute_num_layers)
     if config.multi_latent_attention:
         allow_mla_without_transformer_engine()
     use_fused_paths()
@@ -266,122 +282,13 @@ def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch
         rotary_base=config.rotary_base if is_mla(hf_config) else _rope_theta(hf_config),
         vp_stage=vp_stage,
     )
+    # Expert weights are whole experts held by every rank of the expert-data-parallel group, which (expert TP 1)
+    # includes the TP and CP peers that routed other tokens. Without expert parallelism Megatron marks them dense
+    # ("allreduce"), so its DDP would sum them over the data-parallel ranks only; marked as expert weights, they
+    # are summed over the expert-data-parallel group (and kept by the expert optimizer) at every layout.
+    for name, param in model.named_parameters():
+        if is_expert_parameter(name):
+            param.allreduce = False
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
-
-
-Chunks = torch.nn.Module | Sequence[torch.nn.Module]  # one model, or this rank's pipeline chunks
-
-
-def _named_parameters(chunks: Chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    for chunk in [chunks] if isinstance(chunks, torch.nn.Module) else chunks:
-        yield from chunk.named_parameters()
-
-
-def allreduce_tp_partial_grads(chunks: Chunks) -> None:
-    """Sum, over the tensor-parallel group, the gradients that each TP rank only holds a partial sum of.
-
-    - Qwen3's q/k layernorm weights are replicated on every TP rank but applied to each attention head, and a
-      rank only computes its own heads, so its gradient covers those heads only. (MLA's latent norms are not per
-      head: each TP rank normalises the whole latent, or, under sequence parallelism, its `sequence_parallel` shard.)
-    - Under sequence parallelism (MoE models at TP>1) the parameters applied to the sequence-split hidden state
-      (the RMSNorms, the MoE router) see only this rank's tokens; Megatron marks them `sequence_parallel`.
-    Megatron's DDP sums these in `finalize_model_grads`; a plain torch optimizer does not, so call this after
-    backward (no-op at TP=1). Every other replicated dense parameter already has its full gradient on every TP
-    rank. Expert weights are summed by `allreduce_data_parallel_grads` instead.
-    """
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return
-    config = (chunks if isinstance(chunks, torch.nn.Module) else chunks[0]).config
-    per_head_norms = () if config.multi_latent_attention else ("q_layernorm", "k_layernorm")
-    grads = [
-        p.grad
-        for name, p in _named_parameters(chunks)
-        if p.grad is not None
-        and (getattr(p, "sequence_parallel", False) or any(norm in name for norm in per_head_norms))
-    ]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for these small tensors of all layers
-    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-    for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        grad.copy_(summed.view_as(grad))
-
-
-def is_expert_parameter(name: str) -> bool:
-    """Whether the Megatron parameter `name` is a routed expert's weight (held per expert-parallel rank)."""
-    return ".mlp.experts." in name
-
-
-def allreduce_data_parallel_grads(chunks: Chunks) -> None:
-    """Sum each gradient over the ranks that hold the same parameter but ran different tokens.
-
-    Dense parameters are summed over the data-parallel group including the context-parallel ranks (each ran a
-    shard of every sequence, as Megatron's DDP does). Expert weights are summed over the
-    expert-data-parallel group: the ranks holding the same experts, which (expert tensor parallelism 1) includes
-    the TP and CP peers, each of which routed its own tokens, so this is needed even without data parallelism
-    when a MoE model runs at TP>1 or CP>1. Sums, not means: the loss is already normalised over the whole global step.
-    Call after `allreduce_tp_partial_grads`; groups of one rank are skipped.
-    """
-    dense, experts = [], []
-    for name, p in _named_parameters(chunks):
-        if p.grad is not None:
-            (experts if is_expert_parameter(name) else dense).append(p.grad)
-    for grads, group in (
-        (dense, parallel_state.get_data_parallel_group(with_context_parallel=True)),
-        (experts, parallel_state.get_expert_data_parallel_group()),
-    ):
-        if dist.get_world_size(group) > 1:
-            for grad in grads:  # tensor by tensor: no second copy of all the gradients
-                dist.all_reduce(grad, group=group)
-
-
-def allreduce_tied_embedding_grads(chunks: Chunks) -> None:
-    """Sum the gradients of a tied embedding held by both the first and the last pipeline stage.
-
-    With `tie_word_embeddings` and pipeline parallelism the last stage keeps its own copy of the embedding as the
-    output layer (Megatron marks it `shared`); the two copies stay equal only if both apply the summed gradient.
-    Call after `allreduce_data_parallel_grads`; a no-op without pipeline parallelism or tying.
-    """
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not parallel_state.is_rank_in_embedding_group():
-        return
-    models = [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
-    tied = [m.shared_embedding_or_output_weight() for m in (models[0], models[-1])
-            if m.share_embeddings_and_output_weights and (m.pre_process or m.post_process)]  # fmt: skip
-    for weight in dict.fromkeys(tied):  # one chunk may hold both ends (a single stage of a virtual pipeline)
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
-
-
-def global_grad_norm(chunks: Chunks) -> float:
-    """L2 norm of the whole model's gradient, identical on every rank; call after the all-reduces above.
-
-    Dense TP-sharded gradients hold disjoint pieces (their squares are summed over the TP group);
-    replicated dense ones are whole on every rank (counted once); expert gradients are whole experts,
-    distinct across the expert-parallel group (summed over it) and repeated on TP peers (counted once).
-    Pipeline stages hold disjoint layers (summed over the pipeline group); the last stage's copy of a tied
-    embedding is not counted again.
-    """
-    params = list(_named_parameters(chunks))
-    device = params[0][1].device
-    sharded, replicated, experts = (torch.zeros((), device=device) for _ in range(3))
-    for name, p in params:
-        if p.grad is None or getattr(p, "shared", False):
-            continue
-        square = p.grad.float().pow(2).sum()
-        if is_expert_parameter(name):
-            experts += square
-        elif getattr(p, "tensor_model_parallel", False):
-            sharded += square
-        else:
-            replicated += square
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
-    total = sharded + replicated + experts
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return float(total.sqrt())

@@ -36,7 +36,7 @@ Parallel layout (why):
   (`streamrl.learner.model`): the hidden state between layers is split along the sequence over the TP ranks
   (its length must be a multiple of TP; `streamrl.learner.logprobs` pads). Norm weights and the router then see
   a part of the tokens on each rank and are marked `sequence_parallel`, so their gradients are summed over TP
-  (`streamrl.learner.model.allreduce_tp_partial_grads`).
+  (by Megatron's `finalize_model_grads`, `streamrl.learner.optimizer`).
 """
 
 from __future__ import annotations

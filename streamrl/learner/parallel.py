@@ -86,7 +86,8 @@ def init_parallel(
         expert_tensor_parallel_size=1,
         # Megatron's groups get the same bound as the default group (it converts minutes to a timedelta).
         distributed_timeout_minutes=timeout_s / 60.0,
-        # The extra gloo groups serve Megatron's distributed optimizer / checkpointing, neither of which we use.
+        # The extra gloo groups only serve the distributed optimizer's gloo-based checkpoint formats, which we do not
+        # use (`streamrl.learner.checkpoint` saves the "fully_reshardable" one over the regular groups).
         create_gloo_process_groups=False,
     )
     # The default generator is shared by all TP ranks of a data-parallel replica (as Megatron-LM seeds it);

@@ -4,7 +4,8 @@ Per `step()`: rank 0 reads and admits `groups_per_step` groups (dropping, and co
 whose oldest token is more than `max_staleness` versions behind) and broadcasts their wire bytes to
 every rank; each data-parallel replica runs its micro-batches through Megatron's schedule
 (`streamrl.learner.pipeline`: forward recomputes log-probs, the last stage computes the policy loss,
-backward), gradients are summed over data-parallel ranks, clipped by the global norm and applied.
+backward; Megatron's DDP then completes the gradients: summed over data-parallel ranks), and Megatron's optimizer
+clips them by the global norm and applies them (`streamrl.learner.optimizer`).
 Only after every rank has stepped does rank 0 (first stage) commit (ack + record ids).
 With `loss.kl_coef > 0` every rank also holds a frozen copy of its chunks with the initial weights (the reference
 policy), run forward-only over the step's micro-batches before the training pass; with `loss.entropy_coef > 0`
@@ -34,14 +35,9 @@ from streamrl.learner import checkpoint
 from streamrl.learner.context_parallel import padded_cu_seqlens, shard_microbatch, zigzag_columns
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.cpu_compat import apply_cpu_compat
-from streamrl.learner.model import (
-    allreduce_data_parallel_grads,
-    allreduce_tied_embedding_grads,
-    allreduce_tp_partial_grads,
-    build_model_chunks,
-    global_grad_norm,
-)
+from streamrl.learner.model import build_model_chunks
 from streamrl.learner.moe import num_experts
+from streamrl.learner.optimizer import build_training
 from streamrl.learner.parallel import init_parallel
 from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
 from streamrl.learner.pipeline import run_microbatches
@@ -74,20 +70,19 @@ class LearnerWorker:
                       learner.pipeline_parallel, learner.virtual_stages, learner.context_parallel)  # fmt: skip
         self.ps = parallel_state
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
-        self.chunks = build_model_chunks(self.hf_config, last_stage_layers=learner.last_stage_layers)
+        self.chunks = build_model_chunks(self.hf_config, _DTYPES[learner.params_dtype], learner.last_stage_layers,
+                                         learner.recompute, learner.recompute_num_layers)  # fmt: skip
         for chunk in self.chunks:
             load_hf_weights(chunk, hf_state, self.hf_config)
         self.reference_chunks = (reference_chunks(self.hf_config, hf_state, learner.last_stage_layers)
                                  if config.loss.kl_coef > 0 else [])  # fmt: skip
         self.router_load = RouterLoad(self.chunks) if num_experts(self.hf_config) else None
-        self.params = [p for chunk in self.chunks for p in chunk.parameters()]
-        self.device = self.params[0].device
+        self.device = next(self.chunks[0].parameters()).device
         self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
-        opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=opt.betas,
-                                           weight_decay=opt.weight_decay)  # fmt: skip
+        # Megatron's DDP wrappers (what the schedule runs) and optimizer; self.chunks stay the weights' owners.
+        self.training = build_training(self.chunks, config.optimizer)
         self.version = 0  # policy version of the current weights: number of optimizer steps taken
         self.consumer: TrajectoryConsumer | None = None
         if rank == 0:
@@ -159,19 +154,6 @@ class LearnerWorker:
         loss, stats, regularizers = microbatch_objective(self.config.loss, logp, mb, entropy, ref_logp)
         return loss, (float(loss.detach()), stats, regularizers)
 
-    def _clip_and_reduce_grads(self) -> float:
-        """Complete every gradient (TP partial sums, then data/expert-data-parallel sums), clip by the global norm."""
-        allreduce_tp_partial_grads(self.chunks)
-        allreduce_data_parallel_grads(self.chunks)
-        allreduce_tied_embedding_grads(self.chunks)
-        norm = global_grad_norm(self.chunks)
-        coeff = self.config.optimizer.grad_clip / (norm + 1e-6)
-        if coeff < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coeff)
-        return norm
-
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
         admitted = self._admit() if self.rank == 0 else []
@@ -185,7 +167,7 @@ class LearnerWorker:
                                  cost_model(batching, self.hf_config))  # fmt: skip
         for chunk in self.chunks:
             chunk.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.training.zero_grad()
         timer = StepTimer(self.device)
         totals = np.zeros(9)
         shards = [shard_microbatch(mb, self.cp_size, self.cp_rank) for mb in microbatches]
@@ -198,13 +180,14 @@ class LearnerWorker:
         with timer.phase("forward_backward"):
             loss_fn = partial(self._microbatch_loss, reference=reference)
             with_entropy = self.config.loss.entropy_coef > 0
-            for loss, stats, reg in run_microbatches(self.chunks, shards, loss_fn, with_entropy=with_entropy):
+            # The schedule ends by completing the gradients (Megatron's finalize_model_grads): timed apart.
+            for loss, stats, reg in run_microbatches(self.training.models, shards, loss_fn, with_entropy=with_entropy):
                 totals += [loss, stats.tokens, stats.clipped, stats.truncated,
                            stats.importance_weight, stats.behaviour_kl, reg.entropy, reg.kl_ref, 0.0]  # fmt: skip
-        with timer.phase("grad_reduce"):
-            grad_norm = self._clip_and_reduce_grads()
-        with timer.phase("optimizer"):
-            self.optimizer.step()
+        timer.seconds["grad_reduce"] = self.training.grad_reduce_s
+        timer.seconds["forward_backward"] -= self.training.grad_reduce_s
+        with timer.phase("optimizer"):  # clip by the global norm, update (master weights), gather the params
+            grad_norm = self.training.step()
         # TP peers run the same sequences, CP peers shards of them, and every stage sees every micro-batch: count
         # the FLOPs once per data-parallel replica, on its last stage (which also holds the loss statistics).
         if self.last_stage and self.cp_rank == 0:
@@ -308,12 +291,12 @@ class LearnerWorker:
     def save_checkpoint(self, step: int) -> str:
         """All ranks: save model, optimizer, RNG and version as `step` under run.dir/checkpoints; returns the path."""
         root = checkpoint.checkpoint_root(self.config.run.dir)
-        return str(checkpoint.save_checkpoint(root, step, self.version, self.chunks, self.optimizer,
+        return str(checkpoint.save_checkpoint(root, step, self.version, self.chunks, self.training.optimizer,
                                               checkpoint.config_hash(self.config)))  # fmt: skip
 
     def load_checkpoint(self, path: str) -> int:
         """All ranks: restore what `save_checkpoint` saved at `path` (the layout may differ); returns its step."""
-        meta = checkpoint.load_checkpoint(Path(path), self.chunks, self.optimizer)
+        meta = checkpoint.load_checkpoint(Path(path), self.chunks, self.training.optimizer)
         self.version, self.resumed_step = meta.version, meta.step
         return meta.step
 

@@ -1,10 +1,11 @@
-"""Learner checkpoints round-trip model and AdamW state, across a change of tensor-parallel layout too.
+"""Learner checkpoints round-trip model and optimizer state, across a change of tensor-parallel layout too.
 
 Each scenario trains two steps, saves, then compares "continue in the saving process" against "load the
 checkpoint into a freshly built model": one more optimizer step on a fixed batch, then the loss of another fixed
 batch. That loss depends on the weights and on both Adam moments, so equal losses mean all of them round-tripped.
 TP=2 saves (and the Qwen3-MoE EP=2 save, whose grouped experts are split over the ranks) run in two spawned gloo
-ranks; every load runs at TP=1, EP=1 in the test process (`tp1_world`).
+ranks; every load runs at TP=1, EP=1 in the test process (`tp1_world`). The optimizer is the learner's: Megatron's
+DDP + distributed optimizer (`streamrl.learner.optimizer`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
+from streamrl.config import OptimizerConfig
 from streamrl.learner.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -28,7 +30,8 @@ from streamrl.learner.checkpoint import (
 )
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import allreduce_data_parallel_grads, allreduce_tp_partial_grads, build_gpt_model
+from streamrl.learner.model import build_gpt_model
+from streamrl.learner.optimizer import Training, build_training
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
 
@@ -45,39 +48,39 @@ def _loss(model: torch.nn.Module, which: int, vocab: int) -> torch.Tensor:
     return -token_logprobs(model, *_batch(which, vocab)).mean()
 
 
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, which: int, vocab: int) -> None:
-    optimizer.zero_grad(set_to_none=True)
+def _step(training: Training, which: int, vocab: int) -> None:
+    training.zero_grad()
     # Data-parallel ranks (EP=2 below) all run the same batch: the global loss is their mean.
-    (_loss(model, which, vocab) / parallel_state.get_data_parallel_world_size()).backward()
-    allreduce_tp_partial_grads(model)
-    allreduce_data_parallel_grads(model)
-    optimizer.step()
+    (_loss(training.models[0], which, vocab) / parallel_state.get_data_parallel_world_size()).backward()
+    training.finalize_grads(training.models)  # what the schedule does after the last micro-batch
+    training.step()
 
 
-def _learner(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+def _learner(model_dir: Path) -> tuple[torch.nn.Module, Training, int]:
     hf_config, hf_state = load_hf_checkpoint(model_dir)
     model = build_gpt_model(hf_config)
     load_hf_weights(model, hf_state, hf_config)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99)), hf_config["vocab_size"]
+    return model, build_training([model], OptimizerConfig()), hf_config["vocab_size"]
 
 
 def _train_save_continue(model_dir: Path, root: Path) -> float:
     """Two steps, checkpoint as step 2, one more step; the EVAL loss after it."""
-    model, optimizer, vocab = _learner(model_dir)
+    model, training, vocab = _learner(model_dir)
     for _ in range(2):
-        _step(model, optimizer, TRAIN, vocab)
-    save_checkpoint(root, 2, 2, model, optimizer, config_hash="test")
-    _step(model, optimizer, NEXT, vocab)
+        _step(training, TRAIN, vocab)
+    save_checkpoint(root, 2, 2, model, training.optimizer, config_hash="test")
+    _step(training, NEXT, vocab)
     with torch.no_grad():
         return float(_loss(model, EVAL, vocab))
 
 
 def _load_and_continue(model_dir: Path, path: Path) -> float:
-    model, optimizer, vocab = _learner(model_dir)
-    meta = load_checkpoint(path, model, optimizer)
+    model, training, vocab = _learner(model_dir)
+    meta = load_checkpoint(path, model, training.optimizer)
     assert (meta.step, meta.version) == (2, 2)
-    assert all(int(optimizer.state[p]["step"]) == 2 for p in model.parameters())
-    _step(model, optimizer, NEXT, vocab)
+    adam_states = [state for opt in training.optimizer.chained_optimizers for state in opt.optimizer.state.values()]
+    assert adam_states and all(int(state["step"]) == 2 for state in adam_states)
+    _step(training, NEXT, vocab)
     with torch.no_grad():
         return float(_loss(model, EVAL, vocab))
 

@@ -21,17 +21,13 @@ from megatron.core import parallel_state
 
 from streamrl.batching.microbatch import plan_step
 from streamrl.learner.context_parallel import gathered_rows, padded_cu_seqlens, shard_microbatch, zigzag_columns
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
+from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.logprobs import microbatch_logprobs
-from streamrl.learner.model import (
-    allreduce_data_parallel_grads,
-    allreduce_tp_partial_grads,
-    build_gpt_model,
-    global_grad_norm,
-)
+from streamrl.learner.model import build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.loss.grpo import policy_loss
 from streamrl.types import MicroBatch
+from tests.learner.grads import complete, grads_by_hf_name, wrap
 from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
 from tests.queue.test_codec import make_group
 
@@ -95,6 +91,7 @@ def _step(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.
     hf_config, hf_state = load_hf_checkpoint(model_dir)
     model = build_gpt_model(hf_config)
     load_hf_weights(model, hf_state, hf_config)
+    training = wrap([model])
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     mb = shard_microbatch(_microbatch(), cp_size, cp_rank)
     logp = microbatch_logprobs(model, mb)
@@ -102,23 +99,13 @@ def _step(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.
     loss, _ = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages),
                           as_t(mb.loss_weight), 0.2, 2.0)  # fmt: skip
     loss.backward()
-    allreduce_tp_partial_grads(model)
-    allreduce_data_parallel_grads(model)
-    norm = global_grad_norm(model)
+    norm = complete(training)  # Megatron's DDP completes the gradients, as in the learner
     total = loss.detach().clone()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     cu_padded = mb.cu_seqlens.astype(np.int64) * cp_size
     row = torch.zeros(int(cu_padded[-1]))
     row[torch.from_numpy(zigzag_columns(cu_padded, cp_size, cp_rank))] = logp[0].detach().cpu()
-    # Gather gradients with the weights' TP/EP layout logic by viewing each gradient as its parameter.
-    params = list(model.parameters())
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = torch.zeros_like(p) if p.grad is None else p.grad  # an expert no token chose has no gradient
-    grads = {name: t.cpu().clone() for name, t in stream_hf_weights(model, hf_config)}
-    for p, data in zip(params, saved, strict=True):
-        p.data = data
-    return row, total.cpu(), grads, norm
+    return row, total.cpu(), grads_by_hf_name([model], hf_config), norm
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,16 @@ import sys
 from pathlib import Path
 
 import torch
+from megatron.core.optimizer import MegatronOptimizer
 from safetensors.torch import load_file
 
+from streamrl.config import OptimizerConfig
 from streamrl.learner.checkpoint import save_checkpoint
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.export import export_hf
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.model import build_gpt_model
+from streamrl.learner.optimizer import build_training
 
 SEQ = 20
 TINY_CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
@@ -27,15 +30,18 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], torch.arange(SEQ).repeat(2, 1), tokens[:, 1:]
 
 
-def _trained(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
-    """The tiny model after one AdamW step: an export must carry trained weights, not the original file's."""
+def _trained(model_dir: Path) -> tuple[torch.nn.Module, MegatronOptimizer, dict]:
+    """The tiny model after one step of the learner's optimizer: an export must carry trained weights, not the
+    original file's."""
     hf_config, hf_state = load_hf_checkpoint(model_dir)
     model = build_gpt_model(hf_config)
     load_hf_weights(model, hf_state, hf_config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    training = build_training([model], OptimizerConfig(lr=1e-2))
+    training.zero_grad()
     (-token_logprobs(model, *_batch(hf_config["vocab_size"])).mean()).backward()
-    optimizer.step()
-    return model, optimizer, hf_config
+    training.finalize_grads(training.models)
+    training.step()
+    return model, training.optimizer, hf_config
 
 
 def test_export_hf_round_trip(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:

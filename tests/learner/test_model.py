@@ -15,8 +15,9 @@ import torch
 
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, megatron_names, stream_hf_weights
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
+from streamrl.learner.model import build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
+from tests.learner.grads import complete, grads_by_hf_name, wrap
 from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
 
 BATCH, SEQ, PAD_FROM = 2, 16, 11  # row 1 is row 0 right-padded from position PAD_FROM (labels from PAD_FROM-1)
@@ -37,20 +38,13 @@ def _megatron_logprobs_and_grads(
     model: torch.nn.Module, hf_config: dict
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Log-probs, HF-named full gradients of their sum, and HF-named full weights of the live model."""
+    training = wrap([model])
     ids, pos, labels = _inputs(hf_config["vocab_size"])
     logprobs = token_logprobs(model, ids, pos, labels)
     logprobs.sum().backward()
-    allreduce_tp_partial_grads(model)
+    complete(training)  # Megatron's DDP completes the gradients (TP-partial q/k-norm sums), as in the learner
     weights = {name: t.cpu().clone() for name, t in stream_hf_weights(model, hf_config)}
-    # Gather gradients with the same TP layout logic as weights by viewing each grad as its parameter.
-    params = list(model.parameters())
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad
-    grads = {name: t.cpu().clone() for name, t in stream_hf_weights(model, hf_config)}
-    for p, data in zip(params, saved, strict=True):
-        p.data = data
-    return logprobs.detach().cpu(), grads, weights  # compared with HF on the host
+    return logprobs.detach().cpu(), grads_by_hf_name([model], hf_config), weights  # compared with HF on the host
 
 
 def _hf_logprobs_and_grads(model_dir: Path, vocab: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -26,14 +26,10 @@ from streamrl.learner.convert import (
     stream_hf_weights,
 )
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import (
-    allreduce_data_parallel_grads,
-    allreduce_tp_partial_grads,
-    build_gpt_model,
-    global_grad_norm,
-)
+from streamrl.learner.model import build_gpt_model
 from streamrl.learner.moe import moe_config_fields
 from streamrl.learner.parallel import destroy_parallel, init_parallel
+from tests.learner.grads import complete, grads_by_hf_name, wrap
 from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
 
 # Sequence lengths of the packed batch: 27 tokens in all and 12 + 15 per data-parallel half, so sequence
@@ -57,6 +53,7 @@ def _megatron_step(model: torch.nn.Module, hf_config: dict) -> tuple[torch.Tenso
     """This DP rank's share of the batch: mean token log-prob over the WHOLE batch (summed over DP ranks), the
     streamed HF-named weights as a list (to count repeats), the HF-named full gradients of that loss, how far
     the share's first sequence run unpacked is from its packed log-probs, and the learner's global grad norm."""
+    training = wrap([model])
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     share = len(LENGTHS) // dp_size
     ids, positions, labels, cu_seqlens = _packed(range(dp_rank * share, (dp_rank + 1) * share))
@@ -67,21 +64,11 @@ def _megatron_step(model: torch.nn.Module, hf_config: dict) -> tuple[torch.Tenso
     unpacked_gap = (alone - logprobs[:, :first]).abs().max().item()
     loss = logprobs.sum() / sum(LENGTHS)  # normalised over the global batch, as the learner does
     loss.backward()
-    allreduce_tp_partial_grads(model)
-    allreduce_data_parallel_grads(model)
-    norm = global_grad_norm(model)
+    norm = complete(training)  # Megatron's DDP completes the gradients, as in the learner
     total = loss.detach().clone()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     weights = [(name, t.clone()) for name, t in stream_hf_weights(model, hf_config)]
-    # Gather gradients with the weights' layout logic by viewing each gradient as its parameter.
-    params = list(model.parameters())
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = torch.zeros_like(p) if p.grad is None else p.grad  # an expert no token chose has no gradient
-    grads = {name: t.clone() for name, t in stream_hf_weights(model, hf_config)}
-    for p, data in zip(params, saved, strict=True):
-        p.data = data
-    return total, weights, grads, unpacked_gap, norm
+    return total, weights, grads_by_hf_name([model], hf_config), unpacked_gap, norm
 
 
 def _build_and_step(model_dir: Path) -> tuple[torch.Tensor, list, dict, float, float]:

@@ -1,8 +1,8 @@
 """Invariant 6 on the learner: a step's gradient does not depend on packing budgets or data-parallel size.
 
 The same groups are planned with micro-batch budgets from "every sequence alone" to "everything in one row" and
-with DP=1 (this process) and DP=2 (two spawned gloo ranks whose gradients are summed over the data-parallel group,
-as `LearnerWorker` does); every variant's gradient matches within 1e-5 (float32). The spawned ranks then form a
+with DP=1 (this process) and DP=2 (two spawned gloo ranks whose gradients Megatron's DDP sums over the data-parallel
+group, as in `LearnerWorker`); every variant's gradient matches within 1e-5 (float32). The spawned ranks then form a
 TP=2 world and check packed log-probs against HF transformers run on each sequence alone.
 """
 
@@ -14,17 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 
 from streamrl.batching.cost import CostModel
 from streamrl.batching.microbatch import plan_rank, plan_step
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.logprobs import microbatch_logprobs
-from streamrl.learner.model import allreduce_tp_partial_grads, build_gpt_model
+from streamrl.learner.model import build_gpt_model
+from streamrl.learner.optimizer import Training
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.loss.grpo import policy_loss
 from streamrl.types import MicroBatch, TrajectoryGroup
+from tests.learner.grads import complete, wrap
 from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
 from tests.queue.test_codec import make_group
 
@@ -43,9 +43,15 @@ def _model(model_dir: Path) -> torch.nn.Module:
     return model
 
 
-def _step_grads(model: torch.nn.Module, microbatches: list[MicroBatch]) -> dict[str, torch.Tensor]:
-    """Accumulated gradient of the step's loss over `microbatches` (the worker's loss, ratio 1 in value)."""
-    model.zero_grad(set_to_none=True)
+def _training(model_dir: Path) -> Training:
+    return wrap([_model(model_dir)])
+
+
+def _step_grads(training: Training, microbatches: list[MicroBatch]) -> dict[str, torch.Tensor]:
+    """Gradient of the step's loss over `microbatches` (the worker's loss, ratio 1 in value), completed by Megatron's
+    DDP as in the learner: summed over the data-parallel ranks (the loss weights already divide by the whole step)."""
+    (model,) = training.models
+    training.zero_grad()
     device = next(model.parameters()).device
     as_t = lambda array: torch.from_numpy(array).to(device)  # micro-batches are built on the host
     for mb in microbatches:
@@ -53,8 +59,8 @@ def _step_grads(model: torch.nn.Module, microbatches: list[MicroBatch]) -> dict[
         loss, _ = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages),
                               as_t(mb.loss_weight), 0.2, 2.0)  # fmt: skip
         loss.backward()
-    allreduce_tp_partial_grads(model)
-    return {name: p.grad.clone() for name, p in model.named_parameters()}
+    complete(training)
+    return {name: p.main_grad.clone() for name, p in model.module.named_parameters()}
 
 
 def _assert_same(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -65,13 +71,13 @@ def _assert_same(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 @pytest.mark.parametrize("normalization", ["token_mean", "sequence_mean"])
 def test_gradient_does_not_depend_on_the_budget(tp1_world: None, tiny_model_dir: Path, normalization: str) -> None:
-    model = _model(tiny_model_dir)
+    training = _training(tiny_model_dir)
     plans = [plan_step(_groups(), 1, budget, normalization, COST)[0] for budget in BUDGETS]
     assert [len(plan) for plan in plans] == [9, 5, 1]  # the budgets really pack differently
-    expected = _step_grads(model, plans[0])
+    expected = _step_grads(training, plans[0])
     assert any(g.abs().max() > 1e-3 for g in expected.values())  # a real gradient, not zeros
     for plan in plans[1:]:
-        _assert_same(_step_grads(model, plan), expected)
+        _assert_same(_step_grads(training, plan), expected)
 
 
 def _hf_logprobs(model_dir: Path, mb: MicroBatch) -> torch.Tensor:
@@ -91,11 +97,9 @@ def _dp2_then_tp2_rank(rank: int, port: int, model_dir: Path, tp2_port: int, out
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
         init_parallel(rank, 2, 1, "127.0.0.1", port, TIMEOUT_S, seed=0)
-        model = _model(model_dir)
+        training = _training(model_dir)
         for budget in BUDGETS:
-            grads = _step_grads(model, plan_rank(_groups(), 2, rank, budget, "token_mean", COST))
-            for grad in grads.values():  # loss weights already divide by the whole step: sum, as the worker
-                dist.all_reduce(grad, group=parallel_state.get_data_parallel_group())
+            grads = _step_grads(training, plan_rank(_groups(), 2, rank, budget, "token_mean", COST))
             if rank == 0:
                 torch.save({name: grad.cpu() for name, grad in grads.items()}, out_dir / f"dp2-{budget}.pt")
         destroy_parallel()
@@ -111,7 +115,7 @@ def test_dp2_gradient_equals_dp1_and_tp2_packed_logprobs_equal_hf(
 ) -> None:
     model_dir = tiny_model_dirs("qwen3")  # GQA and per-head q/k norms: the TP-sensitive parts
     run_ranks(_dp2_then_tp2_rank, 2, (model_dir, free_port()), tmp_path, 2 * TIMEOUT_S)
-    expected = _step_grads(_model(model_dir), plan_step(_groups(), 1, BUDGETS[0], "token_mean", COST)[0])
+    expected = _step_grads(_training(model_dir), plan_step(_groups(), 1, BUDGETS[0], "token_mean", COST)[0])
     for budget in BUDGETS:
         _assert_same(torch.load(tmp_path / f"dp2-{budget}.pt"), expected)
     (mb,), = plan_step(_groups(), 1, 10_000, "token_mean")  # fmt: skip

@@ -4,8 +4,9 @@ A 4-layer tiny model runs a packed step of four micro-batches of different lengt
 process running each micro-batch forward and backward directly. Spawned gloo ranks then run the same step through
 `run_microbatches` at PP=2 (1F1B), PP=2 with 2 virtual stages (interleaved), PP=2 with an uneven last stage (3 + 1
 layers), PP=2 with tied embeddings, and Qwen3-MoE at PP=2 x EP=2 (4 ranks). Each must give the same loss, the same
-global grad norm and the same gradients (gathered to HF names, stage by stage) within 1e-5, and the stages' streamed
-weights together must be exactly the HF checkpoint, each tensor once.
+global grad norm and the same gradients (completed by Megatron's DDP as in the learner, gathered to HF names,
+stage by stage) within 1e-5, and the stages' streamed weights together must be exactly the HF checkpoint, each
+tensor once.
 """
 
 from __future__ import annotations
@@ -19,17 +20,12 @@ from megatron.core import parallel_state
 
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.logprobs import microbatch_logprobs
-from streamrl.learner.model import (
-    allreduce_data_parallel_grads,
-    allreduce_tied_embedding_grads,
-    allreduce_tp_partial_grads,
-    build_model_chunks,
-    global_grad_norm,
-)
+from streamrl.learner.model import build_model_chunks
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.learner.pipeline import run_microbatches
 from streamrl.models.tiny import write_tiny_model
 from streamrl.types import MicroBatch
+from tests.learner.grads import complete, grads_by_hf_name, wrap
 from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
 
 MICROBATCH_LENGTHS = ((7, 5), (9,), (4, 6, 3), (8,))  # sequences per packed micro-batch (an even count: DP=2)
@@ -55,23 +51,12 @@ def _loss(logp: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, float]:
     return loss, float(loss.detach())
 
 
-def _grads_by_hf_name(chunks: list, hf_config: dict) -> dict[str, torch.Tensor]:
-    """This stage's gradients under HF names, streamed with the weights' layout logic (grads viewed as params)."""
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = torch.zeros_like(p) if p.grad is None else p.grad  # an expert no token chose has no gradient
-    grads = {name: t.cpu().clone() for name, t in stream_hf_weights(chunks, hf_config)}
-    for p, data in zip(params, saved, strict=True):
-        p.data = data
-    return grads
-
-
 def _step(model_dir: Path, last_stage_layers: int | None = None, direct: bool = False) -> dict:
     hf_config, hf_state = load_hf_checkpoint(model_dir)
     chunks = build_model_chunks(hf_config, last_stage_layers=last_stage_layers)
     for chunk in chunks:
         load_hf_weights(chunk, hf_state, hf_config)
+    training = wrap(chunks)
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     microbatches = _microbatches()[dp_rank::dp_size]  # data-parallel ranks share the step
     if direct:  # the reference: no schedule at all
@@ -80,14 +65,12 @@ def _step(model_dir: Path, last_stage_layers: int | None = None, direct: bool = 
             loss, value = _loss(microbatch_logprobs(chunks[0], mb), mb)
             loss.backward()
             losses.append(value)
-    else:
-        losses = run_microbatches(chunks, microbatches, _loss)
-    allreduce_tp_partial_grads(chunks)
-    allreduce_data_parallel_grads(chunks)
-    allreduce_tied_embedding_grads(chunks)
+    else:  # the schedule completes the gradients (Megatron's finalize_model_grads), as in the learner
+        losses = run_microbatches(training.models, microbatches, _loss)
+    norm = complete(training, finalize=direct)
     weights = [(name, t.cpu().clone()) for name, t in stream_hf_weights(chunks, hf_config)]  # compared on the host
-    return {"loss": sum(losses) if losses else None, "norm": global_grad_norm(chunks), "weights": weights,
-            "grads": _grads_by_hf_name(chunks, hf_config),
+    return {"loss": sum(losses) if losses else None, "norm": norm, "weights": weights,
+            "grads": grads_by_hf_name(chunks, hf_config),
             "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True)}  # fmt: skip
 
 

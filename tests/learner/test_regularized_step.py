@@ -25,12 +25,7 @@ from streamrl.config import LossConfig
 from streamrl.learner.context_parallel import shard_microbatch
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.logprobs import packed_seq_params
-from streamrl.learner.model import (
-    allreduce_data_parallel_grads,
-    allreduce_tp_partial_grads,
-    build_gpt_model,
-    build_model_chunks,
-)
+from streamrl.learner.model import build_gpt_model, build_model_chunks
 from streamrl.learner.moe import num_experts
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.learner.pipeline import run_microbatches
@@ -39,8 +34,8 @@ from streamrl.learner.router_stats import RouterLoad
 from streamrl.loss.objective import microbatch_objective
 from streamrl.models.tiny import write_tiny_model
 from streamrl.types import MicroBatch
+from tests.learner.grads import complete, grads_by_hf_name, wrap
 from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
-from tests.learner.test_pipeline import _grads_by_hf_name
 from tests.queue.test_codec import make_group
 
 # Large coefficients so that the entropy and KL terms weigh on the gradients as much as the policy loss.
@@ -73,6 +68,7 @@ def _reference_step(model_dir: Path, ref_dir: Path) -> dict:
         model, ref_model = build_gpt_model(hf_config), build_gpt_model(hf_config)
         load_hf_weights(model, hf_state, hf_config)
         load_hf_weights(ref_model, load_hf_checkpoint(ref_dir)[1], hf_config)
+        training = wrap([model])
         router = RouterLoad([model]) if num_experts(hf_config) else None
         sums = np.zeros(3)
         for mb in _microbatches():
@@ -82,7 +78,8 @@ def _reference_step(model_dir: Path, ref_dir: Path) -> dict:
             loss, _, reg = microbatch_objective(LOSS, logp, mb, entropy, ref_logp)
             loss.backward()
             sums += [float(loss.detach()), reg.entropy, reg.kl_ref]
-        return {"sums": sums, "grads": _grads_by_hf_name([model], hf_config),
+        complete(training)
+        return {"sums": sums, "grads": grads_by_hf_name([model], hf_config),
                 "router": router.metrics() if router else None}  # fmt: skip
     finally:
         destroy_parallel()
@@ -94,6 +91,7 @@ def _step(model_dir: Path, ref_dir: Path) -> dict:
     chunks = build_model_chunks(hf_config)
     for chunk in chunks:
         load_hf_weights(chunk, hf_state, hf_config)
+    training = wrap(chunks)
     reference = reference_chunks(hf_config, load_hf_checkpoint(ref_dir)[1])
     router = RouterLoad(chunks) if num_experts(hf_config) else None
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
@@ -104,10 +102,9 @@ def _step(model_dir: Path, ref_dir: Path) -> dict:
         loss, _, reg = microbatch_objective(LOSS, logp, mb, entropy, ref_logps[id(mb)])
         return loss, [float(loss.detach()), reg.entropy, reg.kl_ref]
 
-    results = run_microbatches(chunks, shards, loss_fn, with_entropy=True)
-    allreduce_tp_partial_grads(chunks)
-    allreduce_data_parallel_grads(chunks)
-    return {"sums": np.sum(results, axis=0) if results else None, "grads": _grads_by_hf_name(chunks, hf_config),
+    # The schedule completes the gradients (Megatron's finalize_model_grads), as in the learner.
+    results = run_microbatches(training.models, shards, loss_fn, with_entropy=True)
+    return {"sums": np.sum(results, axis=0) if results else None, "grads": grads_by_hf_name(chunks, hf_config),
             "router": router.metrics() if router else None, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True)}  # fmt: skip
 

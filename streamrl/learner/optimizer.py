@@ -1,0 +1,113 @@
+"""Megatron's data parallelism and optimizer around this rank's model chunks.
+
+Contract: after `streamrl.learner.parallel.init_parallel`, with the chunks built and their weights loaded,
+`build_training(chunks, settings)` (`settings`: the `optimizer.*` config) returns a `Training`:
+- `models`: the chunks wrapped in Megatron's `DistributedDataParallel`. Pass these to
+  `streamrl.learner.pipeline.run_microbatches`; the bare chunks stay the ones to read, publish and save weights
+  from (the wrappers share their parameters). Gradients accumulate in contiguous buffers (`param.main_grad`,
+  float32 with `grad_reduce_in_fp32`) and are completed at the end of the schedule by Megatron's
+  `finalize_model_grads` (installed as the chunks' `finalize_model_grads_func`, with `no_sync_func` and
+  `grad_scale_func` as Megatron-LM's training loop sets them): a reduce-scatter (distributed optimizer) or
+  all-reduce over the data x context-parallel ranks (experts over the expert-data-parallel ranks), the sums of
+  TP-partial gradients (qk-norms, sequence-parallel norms and router) over the TP group, and the tied embedding's
+  over the first and last pipeline stage.
+- Sums, not means (invariant 6: the loss is already normalised over the whole global step): with
+  `calculate_per_token_loss` (set by `streamrl.learner.model`) DDP does not pre-divide gradients by the DP size,
+  and the finalize step is handed no token count to divide by.
+- `optimizer`: Megatron's Adam with decoupled weight decay (torch's AdamW, as no TE/apex is installed), the same
+  weight decay for every parameter, clipping by the global gradient norm (TP/EP shards and tied copies counted
+  once). bfloat16 params get float32 master weights and Adam state (Megatron's mixed-precision optimizer);
+  `distributed` shards those over the data x context-parallel ranks (ZeRO-1) and all-gathers the updated
+  params after each step. `cpu_offload` moves `offload_fraction` of the state and its update to the host
+  (Megatron's `HybridDeviceOptimizer`); without CUDA it is a no-op, as every tensor already lives in host memory.
+Per step: `training.zero_grad()`, `run_microbatches(training.models, ...)`, then `training.step()` (the grad norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+from streamrl.learner.perf import StepTimer
+
+if TYPE_CHECKING:  # the config module needs pydantic, which a learner-only install may lack
+    from streamrl import config
+
+
+@dataclass
+class Training:
+    models: list[DistributedDataParallel]  # this rank's chunks wrapped for Megatron's schedules, in chunk order
+    optimizer: MegatronOptimizer
+    grad_reduce_s: float = 0.0  # seconds the last gradient completion (inside the schedule) took
+
+    def finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
+                       **kwargs: Any) -> None:  # fmt: skip
+        """Megatron's `finalize_model_grads`, timed, without the division by the schedule's token count (our loss
+        is normalised already; see the module docstring)."""
+        timer = StepTimer(next(model[0].parameters()).device)
+        with timer.phase("grad_reduce"):
+            finalize_model_grads(model, None, **kwargs)
+        self.grad_reduce_s = timer.seconds["grad_reduce"]
+
+    def zero_grad(self) -> None:
+        """Clear the gradient buffers before a step's first micro-batch."""
+        for model in self.models:
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> float:
+        """Clip and apply the completed gradients; returns the global gradient norm before clipping."""
+        applied, grad_norm, _ = self.optimizer.step()
+        if not applied:  # only a loss scaler (fp16) skips steps, and we never use one
+            raise FloatingPointError("optimizer: step skipped on non-finite gradients")
+        return float(grad_norm)
+
+
+def _megatron_optimizer_config(settings: config.OptimizerConfig, bf16: bool) -> OptimizerConfig:
+    # The host is the only device without CUDA: nothing to offload to it.
+    offload = settings.cpu_offload and torch.cuda.is_available()
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.lr,  # no schedule: a constant learning rate
+        adam_beta1=settings.betas[0],
+        adam_beta2=settings.betas[1],
+        adam_eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        clip_grad=settings.grad_clip,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=settings.distributed,
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=settings.offload_fraction if offload else 0.0,
+    )
+
+
+def build_training(chunks: list[GPTModel], settings: config.OptimizerConfig) -> Training:
+    """Wrap `chunks` in Megatron's DDP and build Megatron's optimizer for them; see the module docstring."""
+    bf16 = chunks[0].config.bf16
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
+        # Reduce once after the last micro-batch: the step is bounded by its slowest rank either way, and on gloo
+        # overlapping buckets would only contend with the backward for the same cores.
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=settings.distributed,
+    )
+    # As Megatron-LM does: only the first virtual-stage chunk splits its gradients into buckets.
+    models = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
+              for index, chunk in enumerate(chunks)]  # fmt: skip
+    # No parameter is exempt from weight decay (as torch's AdamW over all parameters): `config_overrides={}`.
+    optimizer = get_megatron_optimizer(_megatron_optimizer_config(settings, bf16), models, config_overrides={},
+                                       use_gloo_process_groups=False)  # fmt: skip
+    training = Training(models, optimizer)
+    no_sync = [model.no_sync for model in models]
+    for chunk in chunks:  # the schedules read the first chunk's config; keep them all consistent
+        chunk.config.finalize_model_grads_func = training.finalize_grads
+        chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        chunk.config.grad_scale_func = optimizer.scale_loss
+    return training

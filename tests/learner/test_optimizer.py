@@ -1,0 +1,128 @@
+"""Megatron's DDP + optimizer as the learner uses them (`streamrl.learner.optimizer`), float32/bfloat16 on CPU/gloo.
+
+- One step through `run_microbatches` with Megatron's DDP and distributed optimizer equals a plain torch step on
+  the same loss (the whole step's micro-batches, backward, clip by the global norm, torch AdamW) within 1e-5, at
+  DP=1 in this process and at DP=2 in two spawned gloo ranks that split the micro-batches: gradients are summed
+  over DP (the loss is normalised over the global step), and the updated parameters are gathered on every rank.
+- bfloat16 parameters keep float32 master weights and Adam state, and the step writes the master weights, rounded,
+  back into the model (the norms' weights stay float32: Megatron's torch norms ignore params_dtype).
+- Selective and full recomputation leave the loss and every gradient unchanged (within 1e-6).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core import parallel_state
+
+from streamrl.config import OptimizerConfig
+from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.logprobs import microbatch_logprobs
+from streamrl.learner.model import build_gpt_model
+from streamrl.learner.optimizer import build_training
+from streamrl.learner.parallel import destroy_parallel, init_parallel
+from streamrl.learner.pipeline import run_microbatches
+from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
+from tests.learner.test_pipeline import _loss, _microbatches
+
+SETTINGS = OptimizerConfig(lr=1e-2, grad_clip=0.5)  # a clip below the tiny model's grad norm (~4): it applies
+
+
+def _model(model_dir: Path, **kwargs: object) -> torch.nn.Module:
+    hf_config, hf_state = load_hf_checkpoint(model_dir)
+    model = build_gpt_model(hf_config, **kwargs)
+    load_hf_weights(model, hf_state, hf_config)
+    return model
+
+
+def _megatron_step(model_dir: Path, settings: OptimizerConfig = SETTINGS) -> tuple[float, dict[str, torch.Tensor]]:
+    """(grad norm, parameters after one step) with this world's DDP + optimizer; DP ranks split the micro-batches."""
+    model = _model(model_dir)
+    training = build_training([model], settings)
+    training.zero_grad()
+    dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    run_microbatches(training.models, _microbatches()[dp_rank::dp_size], _loss)
+    norm = training.step()
+    return norm, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _torch_step(model_dir: Path) -> tuple[float, dict[str, torch.Tensor]]:
+    """The reference: the whole step in one process, no Megatron schedule, DDP or optimizer."""
+    model = _model(model_dir)
+    for mb in _microbatches():
+        _loss(microbatch_logprobs(model, mb), mb)[0].backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SETTINGS.lr, betas=SETTINGS.betas, eps=SETTINGS.eps,
+                                  weight_decay=SETTINGS.weight_decay)  # fmt: skip
+    optimizer.step()
+    return norm, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _assert_close(result: tuple[float, dict], expected: tuple[float, dict]) -> None:
+    assert result[0] == pytest.approx(expected[0], rel=1e-5)
+    assert result[1].keys() == expected[1].keys()
+    for name, param in result[1].items():
+        assert (param - expected[1][name]).abs().max().item() < 1e-5, name
+
+
+def _dp2_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
+    with record_errors(out_dir, rank):
+        torch.set_num_threads(1)
+        init_parallel(rank, 2, 1, "127.0.0.1", port, TIMEOUT_S, seed=0)
+        torch.save(_megatron_step(model_dir), out_dir / f"step-{rank}.pt")
+        destroy_parallel()
+
+
+def test_distributed_optimizer_step_matches_torch_at_dp1_and_dp2(
+    tp1_world: None, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    expected = _torch_step(tiny_model_dir)
+    assert expected[0] > SETTINGS.grad_clip  # the clip is exercised
+    _assert_close(_megatron_step(tiny_model_dir), expected)
+    run_ranks(_dp2_rank, 2, (tiny_model_dir,), tmp_path, 2 * TIMEOUT_S)
+    for rank in range(2):  # each rank updated its shard and gathered the others'
+        _assert_close(torch.load(tmp_path / f"step-{rank}.pt"), expected)
+
+
+def test_bf16_params_keep_fp32_master_weights(tp1_world: None, tiny_model_dir: Path) -> None:
+    model = _model(tiny_model_dir, params_dtype=torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    training = build_training([model], SETTINGS)
+    training.zero_grad()
+    losses = run_microbatches(training.models, _microbatches(), _loss)
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in losses)
+    assert all(p.main_grad.dtype == torch.float32 for p in model.parameters())  # grad_reduce_in_fp32
+    assert training.step() > 0
+    (inner,) = training.optimizer.chained_optimizers
+    masters = [p for group in inner.shard_fp32_from_float16_groups for p in group]
+    assert masters and all(p.dtype == torch.float32 for p in masters)
+    assert all(t.dtype == torch.float32 for state in inner.optimizer.state.values() for t in state.values())
+    for name, param in model.named_parameters():
+        if param.dtype == torch.float32:  # Megatron's torch norms keep float32 weights: their own master weights
+            assert "layernorm" in name or name == "decoder.final_layernorm.weight", name
+            continue
+        assert param.dtype == torch.bfloat16, name
+        assert torch.equal(param.main_param.to(torch.bfloat16).view_as(param), param.detach()), name
+    assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())  # the step moved weights
+
+
+def _loss_and_grads(model_dir: Path, recompute: str, layers: int = 1) -> tuple[float, dict, int]:
+    """(loss, gradients, forward calls of the first layer's core attention) of the test step."""
+    model = _model(model_dir, recompute=recompute, recompute_num_layers=layers)
+    calls = []
+    model.decoder.layers[0].self_attention.core_attention.register_forward_hook(lambda *_: calls.append(1))
+    losses = run_microbatches([model], _microbatches(), _loss)
+    return sum(losses), {name: p.grad.clone() for name, p in model.named_parameters()}, len(calls)
+
+
+@pytest.mark.parametrize(("recompute", "layers"), [("selective", 1), ("full", 1), ("full", 2)])
+def test_recompute_leaves_gradients_unchanged(tp1_world: None, tiny_model_dir: Path, recompute: str,
+                                              layers: int) -> None:  # fmt: skip
+    loss, grads, calls = _loss_and_grads(tiny_model_dir, recompute, layers)
+    expected_loss, expected, expected_calls = _loss_and_grads(tiny_model_dir, "none")
+    assert (expected_calls, calls) == (len(_microbatches()), 2 * len(_microbatches()))  # recomputed in backward
+    assert loss == pytest.approx(expected_loss, abs=1e-6)
+    for name, grad in grads.items():
+        assert (grad - expected[name]).abs().max().item() < 1e-6, name
