@@ -52,6 +52,10 @@ class StackedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=device)
         )
+        # As Megatron's expert layers mark theirs (parallel over the expert-TP group, here of one rank): not a copy
+        # of a TP peer's weight, so the expert optimizer, whose grad-norm group (expert TP x EP x PP) leaves out the
+        # dense TP peers holding the same experts, counts it on every rank.
+        self.weight.tensor_model_parallel = True
         if config.perform_initialization:
             # The expert-parallel stream: each EP rank draws different experts, its TP peers the same ones.
             with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
@@ -75,8 +79,10 @@ class GroupedExperts(MegatronModule):
         self.linear_fc1 = StackedLinear(num_local_experts, hidden, 2 * ffn, config, config.init_method)
         self.linear_fc2 = StackedLinear(num_local_experts, ffn, hidden, config, config.output_layer_init_method)
         for param in self.parameters():
-            # Megatron's DDP / distributed optimizer reduce expert weights over the expert-data-parallel group.
-            param.allreduce = self.ep_group.size() == 1
+            # Megatron's DDP / distributed optimizer reduce expert weights over the expert-data-parallel group, which
+            # (expert TP 1) includes the TP and CP peers that routed other tokens: needed at EP=1 too, where Megatron's
+            # own experts would be marked dense and summed over the data-parallel ranks only.
+            param.allreduce = False
 
     def forward(self, tokens: Tensor, tokens_per_expert: Tensor, probs: Tensor) -> tuple[Tensor, None]:
         # The dispatcher may hand the counts over on the host; the kernel reads the group ends on the device.

@@ -17,7 +17,7 @@ Unsupported configurations raise `ValueError` naming the field.
 
 Gradients are completed (data/context/expert-data-parallel, TP-partial and tied-embedding sums) by Megatron's DDP
 (`streamrl.learner.optimizer`), which finds the TP-partial ones by Megatron's own marks (`sequence_parallel`, the
-q/k layernorms) and the expert weights by `allreduce=False`, set here at every layout.
+q/k layernorms) and the expert weights by `allreduce=False` (`streamrl.learner.experts`, at every layout).
 """
 
 from __future__ import annotations
@@ -282,13 +282,6 @@ def build_gpt_model(hf_config: dict[str, Any], params_dtype: torch.dtype = torch
         rotary_base=config.rotary_base if is_mla(hf_config) else _rope_theta(hf_config),
         vp_stage=vp_stage,
     )
-    # Expert weights are whole experts held by every rank of the expert-data-parallel group, which (expert TP 1)
-    # includes the TP and CP peers that routed other tokens. Without expert parallelism Megatron marks them dense
-    # ("allreduce"), so its DDP would sum them over the data-parallel ranks only; marked as expert weights, they
-    # are summed over the expert-data-parallel group (and kept by the expert optimizer) at every layout.
-    for name, param in model.named_parameters():
-        if is_expert_parameter(name):
-            param.allreduce = False
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -19,7 +19,7 @@ Contract:
     renormalised to sum 1 and multiplied by `routed_scaling_factor`; `n_shared_experts` SwiGLU experts of
     `moe_intermediate_size` each run on every token (one Megatron shared expert of their summed width).
     The expert bias is loaded from HF and stays frozen: it is a buffer, not a parameter, and Megatron only updates
-    it from the routed-token counts in `finalize_model_grads`, which our learner does not call.
+    it from the routed-token counts in `finalize_model_grads`, here at rate 0 (`moe_router_bias_update_rate`).
 - `SequenceParallelRMSNorm` is torch's RMSNorm (computed by `streamrl.learner.fused.rms_norm`: one kernel each way
   on the GPU) for layer specs, usable with sequence parallelism.
 
@@ -137,6 +137,7 @@ def _routing_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     return dict(
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,  # frozen: RL fine-tuning keeps the pretrained balance (and vLLM's copy)
         moe_router_topk_scaling_factor=float(hf_config.get("routed_scaling_factor") or 1.0),
         moe_router_dtype="fp32",  # HF scores in float32 whatever the model dtype
         # One group is plain top k; Megatron's group-limited path wants None then.
