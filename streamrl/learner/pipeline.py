@@ -14,8 +14,8 @@ Contract: `run_microbatches(chunks, microbatches, loss_fn, forward_only=False, w
   normalised over the global step (invariant 6) - and the results come back in micro-batch order. Other stages
   return `[]`.
 - `forward_only` skips the backward (evaluation); gradients are left untouched.
-Gradient reductions (tensor/data parallel, tied embeddings) are the caller's, after this returns
-(`streamrl.learner.model`).
+Gradient reductions (tensor/data/context/expert parallel, tied embeddings) happen at the end of the schedule in
+the `finalize_model_grads_func` the chunks' config carries (Megatron's, set up by `streamrl.learner.optimizer`).
 """
 
 from __future__ import annotations
