@@ -60,11 +60,16 @@ def _torch_step(model_dir: Path) -> tuple[float, dict[str, torch.Tensor]]:
     return norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+# Adam normalises each update, so a gradient element near zero whose last bits differ (another reduction order:
+# NCCL over 2 GPUs, measured 1.1e-5 on H200) moves by up to ~lr; gloo on the host stays within 1e-5.
+PARAM_TOL = 3e-5 if torch.cuda.is_available() else 1e-5
+
+
 def _assert_close(result: tuple[float, dict], expected: tuple[float, dict]) -> None:
     assert result[0] == pytest.approx(expected[0], rel=1e-5)
     assert result[1].keys() == expected[1].keys()
     for name, param in result[1].items():
-        assert (param - expected[1][name]).abs().max().item() < 1e-5, name
+        assert (param - expected[1][name]).abs().max().item() < PARAM_TOL, name
 
 
 def _dp2_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
