@@ -257,7 +257,7 @@ def _set_main_param_and_optimizer_states(self: Any, model_param: torch.nn.Parame
     (The precision-aware path, which we do not use, stores its state elsewhere and is rejected.)
     """
     if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-        raise NotImplementedError("streamrl: the precision-aware optimizer is not supported")
+        raise RuntimeError("streamrl: Megatron's precision-aware optimizer path is not supported")
     group_index, group_order = self.model_param_group_index_map[model_param]
     main_param = self.optimizer.param_groups[group_index]["params"][group_order]
     destinations = {"param": main_param, **self.optimizer.state[main_param]}
