@@ -5,6 +5,8 @@ Delivery contract:
   unconsumed groups is at `max_backlog`, never trimming unread data. The append is idempotent per
   group id (a Lua script checks and sets a marker in the same atomic step as the XADD), so a push
   retried after a lost reply returns the entry it already added instead of adding a second one.
+  One script call appends a whole batch of groups (up to `PUSH_CALL_MAX_BYTES`), one round trip
+  a push.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`, looked for at most every quarter of it), then reads new ones. Entries
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
@@ -25,6 +27,7 @@ and in-hand checks.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -39,15 +42,26 @@ from streamrl.types import ConsumedGroup, TrajectoryGroup
 CONSUMER_GROUP = "learners"
 # A push marker only has to outlive the retries of one push (bounded by the reconnect window, at most 600 s).
 PUSH_MARKER_TTL_MS = 3_600_000
-# KEYS: stream, marker of the group; ARGV: entry bytes, marker TTL in ms, max backlog.
-# Returns the group's entry id (the existing one if it was pushed before), or 0 while the backlog is full.
+# Payload bytes per push script call: enough to spread the fixed cost of a call over many small groups, small enough
+# that one call, which holds the server while it copies its payloads, does not keep the readers waiting for long.
+PUSH_CALL_MAX_BYTES = 1 << 20
+# KEYS: the stream, then the marker of each group; ARGV: marker TTL in ms, max backlog, then the entry bytes of each
+# group. Appends the groups in order while the backlog has room. Returns one reply per group: its entry id (the
+# existing one if it was pushed before), or 0 if the backlog was full. Only this call appends while it runs, so
+# counting the room down from one XLEN keeps the bound exact.
 _PUSH_SCRIPT = """
-local entry_id = redis.call('GET', KEYS[2])
-if entry_id then return entry_id end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
-redis.call('SET', KEYS[2], entry_id, 'PX', ARGV[2])
-return entry_id
+local room = tonumber(ARGV[2]) - redis.call('XLEN', KEYS[1])
+local replies = {}
+for i = 2, #KEYS do
+  local entry_id = redis.call('GET', KEYS[i])
+  if not entry_id and room > 0 then
+    entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[i + 1])
+    redis.call('SET', KEYS[i], entry_id, 'PX', ARGV[1])
+    room = room - 1
+  end
+  replies[i - 1] = entry_id or 0
+end
+return replies
 """
 
 
@@ -103,10 +117,22 @@ def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reco
     return client
 
 
-
 def connect_for(queue: QueueConfig, url: str, password: str | None) -> redis.Redis:
     """`connect` with the run's reconnect window and ACL user (what every stage of a run uses)."""
     return connect(url, password, reconnect_timeout_s=queue.reconnect_timeout_s, username=queue.username)
+
+
+def _chunks(payloads: list[tuple[str, bytes]], max_bytes: int) -> list[list[tuple[str, bytes]]]:
+    """Consecutive runs of (group id, entry bytes) of at most `max_bytes` each (a larger entry goes alone)."""
+    chunks: list[list[tuple[str, bytes]]] = []
+    size = max_bytes
+    for item in payloads:
+        if size + len(item[1]) > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += len(item[1])
+    return chunks
 
 
 class TrajectoryProducer:
@@ -127,11 +153,12 @@ class TrajectoryProducer:
         Returns {group_id: entry_id} of the groups now in the stream (a group pushed before keeps its entry).
         """
         pipe = self.client.pipeline(transaction=False)
-        for group in groups:
+        for chunk in _chunks([(group.group_id, encode_group(group)) for group in groups], PUSH_CALL_MAX_BYTES):
             # EVAL, not EVALSHA: a restarted server has an empty script cache, and the retry would hit NOSCRIPT.
-            pipe.eval(_PUSH_SCRIPT, 2, self.keys.stream, self.keys.pushed(group.group_id), encode_group(group),
-                      PUSH_MARKER_TTL_MS, self.max_backlog)  # fmt: skip
-        return {group.group_id: reply.decode() for group, reply in zip(groups, pipe.execute(), strict=True) if reply}
+            pipe.eval(_PUSH_SCRIPT, 1 + len(chunk), self.keys.stream, *[self.keys.pushed(gid) for gid, _ in chunk],
+                      PUSH_MARKER_TTL_MS, self.max_backlog, *[payload for _, payload in chunk])  # fmt: skip
+        replies = itertools.chain.from_iterable(pipe.execute())
+        return {group.group_id: reply.decode() for group, reply in zip(groups, replies, strict=True) if reply}
 
     def push(self, groups: list[TrajectoryGroup]) -> list[str]:
         """Append the groups, waiting (bounded) for room; returns their entry ids, in order."""

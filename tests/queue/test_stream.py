@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from streamrl.queue import stream
 from streamrl.queue.codec import encode_group
 from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
 from tests.queue.test_codec import make_group
@@ -140,3 +141,14 @@ def test_a_waiting_push_completes_once_the_learner_commits(redis_server, queue_k
 def test_wrong_password_is_refused(redis_server) -> None:
     with pytest.raises(PermissionError, match="refused the password"):
         connect(redis_server.url, "not-the-password")
+
+
+def test_a_push_over_several_script_calls_keeps_order_and_exact_bound(redis_server, queue_keys, monkeypatch) -> None:
+    groups = [make_group([2], seed=i) for i in range(7)]
+    monkeypatch.setattr(stream, "PUSH_CALL_MAX_BYTES", 2 * len(encode_group(groups[0])))  # two groups a call
+    producer = _producer(redis_server, queue_keys, max_backlog=5)
+    accepted = producer.try_push([*groups, groups[1]])  # g1 twice: the second finds the first's marker
+    assert list(accepted) == ["g0", "g1", "g2", "g3", "g4"]
+    entries = producer.client.xrange(queue_keys.stream)
+    assert [entry_id.decode() for entry_id, _ in entries] == list(accepted.values())
+    assert [fields[b"g"] for _, fields in entries] == [encode_group(g) for g in groups[:5]]
