@@ -1,5 +1,7 @@
 """Wire codec: exact round trip, and every malformed input is a DecodeError (never a crash, never pickle)."""
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -77,6 +79,20 @@ def test_the_spec_layout_decodes() -> None:
 def test_inconsistent_entries_name_the_field(entry: bytes, match: str) -> None:
     with pytest.raises(DecodeError, match=match):
         decode_group(entry, LIMIT)
+
+
+@pytest.mark.parametrize("value", [-3e38, np.inf, -np.inf, np.nan])
+def test_logprobs_may_be_huge_but_not_infinite_or_nan(value: float) -> None:
+    group = make_group([3, 2])
+    first = group.trajectories[0]
+    logprobs = np.array([-1.0, value, -2e30], np.float32)
+    blob = encode_group(dataclasses.replace(group, trajectories=(dataclasses.replace(first, logprobs=logprobs),
+                                                                 *group.trajectories[1:])))  # fmt: skip
+    if np.isfinite(value):
+        assert np.array_equal(decode_group(blob, LIMIT).trajectories[0].logprobs, logprobs)
+    else:
+        with pytest.raises(DecodeError, match="non-finite"):
+            decode_group(blob, LIMIT)
 
 
 def test_size_limit() -> None:
