@@ -12,8 +12,8 @@ Delivery contract:
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
   trained on (their id is in the trained set) or already in this consumer's hands are acked and
   skipped.
-- `TrajectoryConsumer.commit` runs after the optimizer step: in one MULTI/EXEC it acks and deletes
-  the entries and records their group ids in the trained set, so a redelivery is recognised.
+- `TrajectoryConsumer.commit` runs after the optimizer step: in one atomic script call it acks and
+  deletes the entries and records their group ids in the trained set, so a redelivery is recognised.
 
 Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
 for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
@@ -64,6 +64,21 @@ end
 return replies
 """
 
+# KEYS: the stream, the trained set; ARGV: consumer group, number n of entries, their n ids, then the group ids to
+# record as trained (none when dropping). Acks and deletes the entries and records the ids in one atomic step: a
+# group is never acked without being recorded. At most 1000 ids a command (Lua's unpack is limited by its stack).
+_RETIRE_SCRIPT = """
+local n = tonumber(ARGV[2])
+for first = 3, n + 2, 1000 do
+  local last = math.min(first + 999, n + 2)
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, last))
+  redis.call('XDEL', KEYS[1], unpack(ARGV, first, last))
+end
+for first = n + 3, #ARGV, 1000 do
+  redis.call('SADD', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+return n
+"""
 
 @dataclass(frozen=True, slots=True)
 class QueueKeys:
@@ -265,7 +280,7 @@ class TrajectoryConsumer:
             fresh.append(consumed)
         if duplicates:
             self.duplicates_skipped += len(duplicates)
-            self._ack(duplicates)
+            self._retire(duplicates, [])
         return fresh
 
     def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
@@ -277,29 +292,22 @@ class TrajectoryConsumer:
         pipe.execute()
         self.dead_lettered += 1
 
-    def _ack(self, entry_ids: list[str]) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
-        pipe.xdel(self.keys.stream, *entry_ids)
-        pipe.execute()
+    def _retire(self, entry_ids: list[str], trained_group_ids: list[str]) -> None:
+        # One command to send and parse: cheaper for the client than MULTI/EXEC, and as atomic.
+        self.client.eval(_RETIRE_SCRIPT, 2, self.keys.stream, self.keys.trained, CONSUMER_GROUP, len(entry_ids),
+                         *entry_ids, *trained_group_ids)  # fmt: skip
 
     def drop(self, consumed: list[ConsumedGroup]) -> None:
         """Ack groups refused at admission (too stale); they are not recorded as trained."""
         if consumed:
-            self._ack([c.entry_id for c in consumed])
+            self._retire([c.entry_id for c in consumed], [])
             self._release(consumed)
 
     def commit(self, consumed: list[ConsumedGroup]) -> None:
         """After the optimizer step: atomically ack + delete the entries and record their group ids."""
-        if not consumed:
-            return
-        entry_ids = [c.entry_id for c in consumed]
-        pipe = self.client.pipeline(transaction=True)
-        pipe.sadd(self.keys.trained, *[c.group.group_id for c in consumed])
-        pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
-        pipe.xdel(self.keys.stream, *entry_ids)
-        pipe.execute()
-        self._release(consumed)
+        if consumed:
+            self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed])
+            self._release(consumed)
 
     def _release(self, consumed: list[ConsumedGroup]) -> None:
         for c in consumed:

@@ -152,3 +152,11 @@ def test_a_push_over_several_script_calls_keeps_order_and_exact_bound(redis_serv
     entries = producer.client.xrange(queue_keys.stream)
     assert [entry_id.decode() for entry_id, _ in entries] == list(accepted.values())
     assert [fields[b"g"] for _, fields in entries] == [encode_group(g) for g in groups[:5]]
+
+
+def test_a_commit_of_more_groups_than_one_command_takes_records_them_all(redis_server, queue_keys) -> None:
+    producer, consumer = _producer(redis_server, queue_keys, max_backlog=3000), _consumer(redis_server, queue_keys, "a")
+    producer.push([make_group([1], seed=i) for i in range(2500)])  # the retire script acks 1000 ids a command
+    consumer.commit(consumer.read(2500, 100))
+    assert consumer.backlog() == 0 and consumer.client.scard(queue_keys.trained) == 2500
+    assert consumer.client.xpending(queue_keys.stream, stream.CONSUMER_GROUP)["pending"] == 0
