@@ -1,28 +1,30 @@
 """Trajectory queue on a Redis stream: producers XADD groups, learners read through a consumer group.
 
-Delivery contract:
+Delivery contract (the Lua scripts are in `scripts.py`):
 - `TrajectoryProducer.push` appends one entry per group; it waits (bounded) while the backlog of
   unconsumed groups is at `max_backlog`, never trimming unread data. The append is idempotent per
-  group id (a Lua script checks and sets a marker in the same atomic step as the XADD), so a push
+  group id (a script checks and sets a marker in the same atomic step as the XADD), so a push
   retried after a lost reply returns the entry it already added instead of adding a second one.
-  One script call appends a whole batch of groups (up to `PUSH_CALL_MAX_BYTES`), one round trip
-  a push.
+  One script call appends a batch of groups (up to `PUSH_CALL_MAX_BYTES`): one round trip a push.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`, looked for at most every quarter of it), then reads new ones. Entries
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
   trained on (their id is in the trained set) or already in this consumer's hands are acked and
-  skipped.
+  skipped. The trained-set lookup of new entries rides in the read's own round trip: a script
+  pipelined after the XREADGROUP finds them in the consumer's pending list and their group ids in
+  `entry_groups` (written by the push script). Entries it cannot answer for (appended by another
+  tool, own pending, reclaimed) are looked up with one more round trip.
 - `TrajectoryConsumer.commit` runs after the optimizer step: in one atomic script call it acks and
   deletes the entries and records their group ids in the trained set, so a redelivery is recognised.
 
 Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
 for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
 may run twice; each is harmless when it does: a push finds its marker; commit and drop (SADD, XACK,
-XDEL) are idempotent; a second dead letter only duplicates a diagnostic record. A read whose reply
-was lost leaves its entries pending under this consumer: they are not lost, the reclaim pass hands
-them back once they have been idle `reclaim_idle_ms`. A duplicate entry that reaches the stream
-anyway (written by another tool, or re-pushed after its marker expired) is skipped by the trained-set
-and in-hand checks.
+XDEL, HDEL) are idempotent; a second dead letter only duplicates a diagnostic record. A read whose
+reply was lost leaves its entries pending under this consumer: they are not lost, the reclaim pass
+hands them back once they have been idle `reclaim_idle_ms`. A duplicate entry that reaches the
+stream anyway (written by another tool, or re-pushed after its marker expired) is skipped by the
+trained-set and in-hand checks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import redis
 
 from streamrl.config import QueueConfig
+from streamrl.queue import scripts
 from streamrl.queue.codec import DecodeError, decode_group, encode_group
 from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
@@ -45,40 +48,7 @@ PUSH_MARKER_TTL_MS = 3_600_000
 # Payload bytes per push script call: enough to spread the fixed cost of a call over many small groups, small enough
 # that one call, which holds the server while it copies its payloads, does not keep the readers waiting for long.
 PUSH_CALL_MAX_BYTES = 1 << 20
-# KEYS: the stream, then the marker of each group; ARGV: marker TTL in ms, max backlog, then the entry bytes of each
-# group. Appends the groups in order while the backlog has room. Returns one reply per group: its entry id (the
-# existing one if it was pushed before), or 0 if the backlog was full. Only this call appends while it runs, so
-# counting the room down from one XLEN keeps the bound exact.
-_PUSH_SCRIPT = """
-local room = tonumber(ARGV[2]) - redis.call('XLEN', KEYS[1])
-local replies = {}
-for i = 2, #KEYS do
-  local entry_id = redis.call('GET', KEYS[i])
-  if not entry_id and room > 0 then
-    entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[i + 1])
-    redis.call('SET', KEYS[i], entry_id, 'PX', ARGV[1])
-    room = room - 1
-  end
-  replies[i - 1] = entry_id or 0
-end
-return replies
-"""
 
-# KEYS: the stream, the trained set; ARGV: consumer group, number n of entries, their n ids, then the group ids to
-# record as trained (none when dropping). Acks and deletes the entries and records the ids in one atomic step: a
-# group is never acked without being recorded. At most 1000 ids a command (Lua's unpack is limited by its stack).
-_RETIRE_SCRIPT = """
-local n = tonumber(ARGV[2])
-for first = 3, n + 2, 1000 do
-  local last = math.min(first + 999, n + 2)
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, last))
-  redis.call('XDEL', KEYS[1], unpack(ARGV, first, last))
-end
-for first = n + 3, #ARGV, 1000 do
-  redis.call('SADD', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
-end
-return n
-"""
 
 @dataclass(frozen=True, slots=True)
 class QueueKeys:
@@ -97,6 +67,11 @@ class QueueKeys:
     @property
     def trained(self) -> str:
         return f"{self.prefix}:trained"
+
+    @property
+    def entry_groups(self) -> str:
+        """Hash: id of each entry a producer appended -> its group id (a read checks those groups in its round trip)."""
+        return f"{self.prefix}:entry_groups"
 
     @property
     def policy_version(self) -> str:
@@ -177,9 +152,10 @@ class TrajectoryProducer:
         """
         pipe = self.client.pipeline(transaction=False)
         for chunk in _chunks([(group.group_id, encode_group(group)) for group in groups], PUSH_CALL_MAX_BYTES):
-            # EVAL, not EVALSHA: a restarted server has an empty script cache, and the retry would hit NOSCRIPT.
-            pipe.eval(_PUSH_SCRIPT, 1 + len(chunk), self.keys.stream, *[self.keys.pushed(gid) for gid, _ in chunk],
-                      PUSH_MARKER_TTL_MS, self.max_backlog, *[payload for _, payload in chunk])  # fmt: skip
+            group_ids = [group_id for group_id, _ in chunk]
+            pipe.eval(scripts.PUSH, 2 + len(chunk), self.keys.stream, self.keys.entry_groups,
+                      *[self.keys.pushed(group_id) for group_id in group_ids], PUSH_MARKER_TTL_MS, self.max_backlog,
+                      *group_ids, *[payload for _, payload in chunk])  # fmt: skip
         replies = itertools.chain.from_iterable(pipe.execute())
         return {group.group_id: reply.decode() for group, reply in zip(groups, replies, strict=True) if reply}
 
@@ -219,6 +195,7 @@ class TrajectoryConsumer:
         # come back from the reclaim pass once idle; this keeps them from being handed out twice.
         self._in_hand: dict[str, str] = {}
         self._reclaim_due = 0.0  # monotonic time of the next reclaim pass
+        self._newest_seen = (0, 0)  # largest entry id this consumer has been handed, as (ms, seq)
         try:
             client.xgroup_create(keys.stream, CONSUMER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -246,14 +223,31 @@ class TrajectoryConsumer:
                 # Nothing else is idle long enough: the next pass can wait a quarter of the idle time, so an entry
                 # is reclaimed after 1 to 1.25 x reclaim_idle_ms and a busy learner saves a round trip per read.
                 self._reclaim_due = time.monotonic() + self.reclaim_idle_ms / 4000
+        checked: dict[str, tuple[str, bool]] = {}
         if len(entries) < count:
-            reply = self.client.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {self.keys.stream: ">"}, count=count - len(entries), block=block_ms
-            )
+            self._note_seen(entries)
+            wanted = count - len(entries)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: ">"}, count=wanted, block=block_ms)
+            # New entries have larger ids than any this consumer was handed before: the check script finds them in
+            # its pending list and answers for their groups in this same round trip.
+            ms, seq = self._newest_seen
+            pipe.eval(scripts.CHECK, 3, self.keys.stream, self.keys.entry_groups, self.keys.trained, CONSUMER_GROUP,
+                      self.consumer, f"{ms}-{seq + 1}", wanted)  # fmt: skip
+            reply, flags = pipe.execute()
             entries += reply[0][1] if reply else []
-        return self._decode(entries)
+            checked = {flags[i].decode(): (flags[i + 1].decode(), bool(flags[i + 2])) for i in range(0, len(flags), 3)}
+        self._note_seen(entries)
+        return self._decode(entries, checked)
 
-    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[ConsumedGroup]:
+    def _note_seen(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        for raw_id, _ in entries:
+            ms, seq = raw_id.split(b"-")
+            self._newest_seen = max(self._newest_seen, (int(ms), int(seq)))
+
+    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]],
+                checked: dict[str, tuple[str, bool]]) -> list[ConsumedGroup]:  # fmt: skip
+        """The good groups not trained on nor in hand; `checked`: entry id -> (group id, trained) from the server."""
         good: list[ConsumedGroup] = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
@@ -265,13 +259,20 @@ class TrajectoryConsumer:
                 self._dead_letter(entry_id, fields, str(exc))
         if not good:
             return good
-        trained = self.client.smismember(self.keys.trained, [c.group.group_id for c in good])
+        # The server's answer holds for an entry whose payload names the group it has on record for that entry.
+        trained = {c.entry_id: checked[c.entry_id][1] for c in good
+                   if checked.get(c.entry_id, ("",))[0] == c.group.group_id}  # fmt: skip
+        # Entries the check script did not answer for (appended by another tool, own pending, reclaimed): ask now.
+        unchecked = [c for c in good if c.entry_id not in trained]
+        if unchecked:
+            flags = self.client.smismember(self.keys.trained, [c.group.group_id for c in unchecked])
+            trained |= {c.entry_id: bool(flag) for c, flag in zip(unchecked, flags, strict=True)}
         in_hand = set(self._in_hand.values())
         fresh: list[ConsumedGroup] = []
         duplicates: list[str] = []
-        for consumed, was_trained in zip(good, trained, strict=True):
+        for consumed in good:
             group_id = consumed.group.group_id
-            if was_trained or group_id in in_hand:
+            if trained[consumed.entry_id] or group_id in in_hand:
                 # Acking a copy is safe even if the one in hand is never committed: that one stays pending.
                 duplicates.append(consumed.entry_id)
                 continue
@@ -289,13 +290,14 @@ class TrajectoryConsumer:
         pipe.xadd(self.keys.dead_letters, {"entry_id": entry_id, "reason": reason, "payload": payload})
         pipe.xack(self.keys.stream, CONSUMER_GROUP, entry_id)
         pipe.xdel(self.keys.stream, entry_id)
+        pipe.hdel(self.keys.entry_groups, entry_id)
         pipe.execute()
         self.dead_lettered += 1
 
     def _retire(self, entry_ids: list[str], trained_group_ids: list[str]) -> None:
         # One command to send and parse: cheaper for the client than MULTI/EXEC, and as atomic.
-        self.client.eval(_RETIRE_SCRIPT, 2, self.keys.stream, self.keys.trained, CONSUMER_GROUP, len(entry_ids),
-                         *entry_ids, *trained_group_ids)  # fmt: skip
+        self.client.eval(scripts.RETIRE, 3, self.keys.stream, self.keys.trained, self.keys.entry_groups, CONSUMER_GROUP,
+                         len(entry_ids), *entry_ids, *trained_group_ids)  # fmt: skip
 
     def drop(self, consumed: list[ConsumedGroup]) -> None:
         """Ack groups refused at admission (too stale); they are not recorded as trained."""

@@ -39,9 +39,9 @@ def test_unacked_groups_of_a_dead_consumer_are_reclaimed(redis_server, queue_key
     taken = dead.read(3, 100)
     assert len(taken) == 3
     del dead  # it never commits
-    survivor = _consumer(redis_server, queue_keys, "survivor", reclaim_idle_ms=50)
+    survivor = _consumer(redis_server, queue_keys, "survivor", reclaim_idle_ms=300)  # long enough for a busy machine
     assert survivor.read(3, 10) == []  # not idle long enough yet
-    time.sleep(0.1)
+    time.sleep(0.35)
     reclaimed = survivor.read(3, 10)
     assert sorted(c.group.group_id for c in reclaimed) == ["g0", "g1", "g2"]
 
@@ -160,3 +160,34 @@ def test_a_commit_of_more_groups_than_one_command_takes_records_them_all(redis_s
     consumer.commit(consumer.read(2500, 100))
     assert consumer.backlog() == 0 and consumer.client.scard(queue_keys.trained) == 2500
     assert consumer.client.xpending(queue_keys.stream, stream.CONSUMER_GROUP)["pending"] == 0
+
+
+def _calls(client, command: str) -> int:
+    return client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
+def test_a_read_checks_pushed_groups_in_its_own_round_trip(redis_server, queue_keys) -> None:
+    producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
+    producer.push([make_group([2], seed=i) for i in range(3)])
+    consumer.commit(consumer.read(2, 100))
+    producer.client.delete(queue_keys.pushed("g0"))  # as if g0's marker expired: the push appends it again
+    producer.push([make_group([2], seed=0)])
+    asked = _calls(producer.client, "smismember")
+    assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2"]  # g0 again: trained, skipped
+    assert consumer.duplicates_skipped == 1 and _calls(producer.client, "smismember") == asked
+    # An entry from another tool is not in entry_groups: the read asks the trained set about it separately.
+    producer.client.xadd(queue_keys.stream, {"g": encode_group(make_group([2], seed=1))})
+    assert consumer.read(1, 100) == [] and consumer.duplicates_skipped == 2
+    assert _calls(producer.client, "smismember") == asked + 1
+
+
+def test_entry_groups_hold_only_entries_still_in_the_stream(redis_server, queue_keys) -> None:
+    client = connect(redis_server.url, redis_server.password)
+    producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
+    producer.push([make_group([2], seed=i) for i in range(4)])
+    client.xadd(queue_keys.stream, {"g": b"not a group"})
+    assert client.hlen(queue_keys.entry_groups) == 4
+    got = consumer.read(5, 100)  # the bad entry is dead-lettered
+    consumer.drop(got[:1])
+    consumer.commit(got[1:3])
+    assert client.hvals(queue_keys.entry_groups) == [b"g3"] and consumer.backlog() == 1
