@@ -121,7 +121,7 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
     versions = np.frombuffer(data, _I32, total, start + 8 * total)
     rewards = _array(msg, "rew", _F32, len(lens))
     finish = _field(msg, "fin", list)
-    if len(finish) != len(lens) or not all(f in FINISH_REASONS for f in finish):
+    if len(finish) != len(lens) or not all(isinstance(f, str) and f in FINISH_REASONS for f in finish):
         raise DecodeError(f"fin: expected {len(lens)} values from {sorted(FINISH_REASONS)}")
     if not np.isfinite(rewards).all() or not np.isfinite(logprobs).all():
         raise DecodeError("rew/lp: non-finite value")

@@ -33,8 +33,9 @@ return replies
 
 # KEYS: the stream, entry_groups, the trained set. ARGV: consumer group, consumer, first entry id, count. Runs right
 # after the consumer's XREADGROUP in the same round trip. For each entry pending for the consumer from the first id on
-# (at most count) that PUSH appended: entry id, group id, and 1 if the group is in the trained set, else 0 (a flat
-# list). Entries appended otherwise are not in entry_groups: the caller checks those itself.
+# (at most count) that PUSH appended: its id, then 1 if its group is in the trained set, else 0 (a flat list). Stream
+# entries never change, so the group PUSH recorded for an entry is the one in its payload. Entries appended otherwise
+# are not in entry_groups: the caller checks those itself.
 CHECK = """
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], '+', ARGV[4], ARGV[2])
 local replies = {}
@@ -42,7 +43,6 @@ for _, entry in ipairs(pending) do
   local group_id = redis.call('HGET', KEYS[2], entry[1])
   if group_id then
     replies[#replies + 1] = entry[1]
-    replies[#replies + 1] = group_id
     replies[#replies + 1] = redis.call('SISMEMBER', KEYS[3], group_id)
   end
 end

@@ -223,7 +223,7 @@ class TrajectoryConsumer:
                 # Nothing else is idle long enough: the next pass can wait a quarter of the idle time, so an entry
                 # is reclaimed after 1 to 1.25 x reclaim_idle_ms and a busy learner saves a round trip per read.
                 self._reclaim_due = time.monotonic() + self.reclaim_idle_ms / 4000
-        checked: dict[str, tuple[str, bool]] = {}
+        checked: dict[str, bool] = {}  # entry id -> trained, for the entries the check script answered for
         if len(entries) < count:
             self._note_seen(entries)
             wanted = count - len(entries)
@@ -236,7 +236,7 @@ class TrajectoryConsumer:
                       self.consumer, f"{ms}-{seq + 1}", wanted)  # fmt: skip
             reply, flags = pipe.execute()
             entries += reply[0][1] if reply else []
-            checked = {flags[i].decode(): (flags[i + 1].decode(), bool(flags[i + 2])) for i in range(0, len(flags), 3)}
+            checked = {flags[i].decode(): bool(flags[i + 1]) for i in range(0, len(flags), 2)}
         self._note_seen(entries)
         return self._decode(entries, checked)
 
@@ -245,9 +245,8 @@ class TrajectoryConsumer:
             ms, seq = raw_id.split(b"-")
             self._newest_seen = max(self._newest_seen, (int(ms), int(seq)))
 
-    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]],
-                checked: dict[str, tuple[str, bool]]) -> list[ConsumedGroup]:  # fmt: skip
-        """The good groups not trained on nor in hand; `checked`: entry id -> (group id, trained) from the server."""
+    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]], checked: dict[str, bool]) -> list[ConsumedGroup]:
+        """The good groups not trained on nor in hand; `checked`: entry id -> trained, as the server answered."""
         good: list[ConsumedGroup] = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
@@ -259,11 +258,9 @@ class TrajectoryConsumer:
                 self._dead_letter(entry_id, fields, str(exc))
         if not good:
             return good
-        # The server's answer holds for an entry whose payload names the group it has on record for that entry.
-        trained = {c.entry_id: checked[c.entry_id][1] for c in good
-                   if checked.get(c.entry_id, ("",))[0] == c.group.group_id}  # fmt: skip
+        trained = {c.entry_id: checked[c.entry_id] for c in good if c.entry_id in checked}
         # Entries the check script did not answer for (appended by another tool, own pending, reclaimed): ask now.
-        unchecked = [c for c in good if c.entry_id not in trained]
+        unchecked = [c for c in good if c.entry_id not in checked]
         if unchecked:
             flags = self.client.smismember(self.keys.trained, [c.group.group_id for c in unchecked])
             trained |= {c.entry_id: bool(flag) for c, flag in zip(unchecked, flags, strict=True)}

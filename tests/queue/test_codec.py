@@ -71,6 +71,7 @@ def test_the_spec_layout_decodes() -> None:
         (_entry(lens=np.array([-1, 7], np.int32).tobytes()), "lens: negative"),
         (_entry(fin=["stop"]), "fin: expected 2 values"),
         (_entry(fin="stop"), "fin: expected list"),
+        (_entry(fin=[["stop"], "stop"]), "fin: expected 2 values"),
         (_entry(gid=""), "gid: length 0"),
         (_entry(eng=None), "eng: expected str, got NoneType"),
         (_entry(rew=np.array([np.nan, 0], np.float32).tobytes()), "non-finite"),
@@ -105,6 +106,27 @@ def test_size_limit() -> None:
 def test_random_bytes_never_crash(data: bytes) -> None:
     try:
         decode_group(data, LIMIT)
+    except DecodeError:
+        pass
+
+
+_MSGPACK_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=24),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["gid", "eng", "prompt", "lens", "rew", "fin"]), _MSGPACK_VALUES)
+def test_any_value_in_any_header_field_decodes_or_raises_decode_error(field: str, value: object) -> None:
+    try:
+        decode_group(_entry(**{field: value}), LIMIT)
     except DecodeError:
         pass
 
