@@ -102,8 +102,8 @@ def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reco
             username: str | None = None) -> redis.Redis:  # fmt: skip
     """`client_for`, checked with a PING: a refused password raises PermissionError at once."""
     client = client_for(url, password, timeout_s, reconnect_timeout_s, username)
-    username = client.connection_pool.connection_kwargs.get("username")
-    who = f"user {username!r}" if username else "the default user"
+    user = client.connection_pool.connection_kwargs.get("username")  # from the URL, the argument or $REDIS_USERNAME
+    who = f"user {user!r}" if user else "the default user"
     try:
         client.ping()
     except redis.AuthenticationError as exc:
