@@ -25,19 +25,17 @@ from streamrl.learner.convert import (
     megatron_to_hf,
     stream_hf_weights,
 )
-from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.mla import mla_config_fields
 from streamrl.learner.model import build_gpt_model
 from streamrl.learner.moe import moe_config_fields
 from streamrl.models.tiny import write_tiny_model
 from tests.learner.ranks import TIMEOUT_S, run_ranks
 from tests.learner.test_moe import (
-    LENGTHS,
     _build_and_step,
     _check_layouts,
-    _hf_logprobs_and_grads,
-    _packed,
     _parallel_rank,
+    assert_grads_match_hf,
+    assert_logprobs_match_hf,
 )
 
 EXPERTS, ROPE, NOPE = 8, 16, 32  # of the tiny preset
@@ -143,25 +141,15 @@ def test_unsupported_configs_are_rejected(ds_dir: Path) -> None:
 
 
 def test_tp1_matches_hf(tp1_world: None, ds_dir: Path, variant_dir: Path, reference: tuple) -> None:
-    for model_dir in (variant_dir, ds_dir):  # the preset last: its HF state and gradients are checked below
-        hf_config, hf_state = load_hf_checkpoint(model_dir)
-        model = build_gpt_model(hf_config)
-        assert [k for k in model.state_dict() if not k.endswith("_extra_state")] == megatron_names(hf_config)
-        load_hf_weights(model, hf_state, hf_config)
-        expected, hf_grads = _hf_logprobs_and_grads(model_dir)
-        with torch.no_grad():
-            logprobs = token_logprobs(model, *_packed(range(len(LENGTHS))))
-        assert (logprobs - expected).abs().max().item() < 1e-4, model_dir
+    assert_logprobs_match_hf(variant_dir)
+    hf_grads = assert_logprobs_match_hf(ds_dir)
+    hf_state = load_hf_checkpoint(ds_dir)[1]
     _, weights, grads, unpacked_gap, norm = reference
     assert unpacked_gap < 1e-5
     # The expert bias is a buffer: streamed with the weights, unchanged by the step, and not trained.
     biases = {name for name in hf_state if name.endswith("e_score_correction_bias")}
     assert len(biases) == 2 and all(torch.equal(dict(weights)[name], hf_state[name]) for name in biases)
-    grads = {name: grad for name, grad in grads.items() if name not in biases}
-    assert abs(norm - sum(g.pow(2).sum() for g in grads.values()).sqrt().item()) < 1e-6
-    assert grads.keys() == hf_grads.keys()
-    for name, grad in grads.items():
-        assert torch.allclose(grad, hf_grads[name], rtol=1e-3, atol=1e-5), name
+    assert_grads_match_hf({name: grad for name, grad in grads.items() if name not in biases}, norm, hf_grads)
 
 
 def test_tp2_ep2_matches_single_process(ds_dir: Path, reference: tuple, tmp_path: Path) -> None:

@@ -163,21 +163,33 @@ def _hf_logprobs_and_grads(model_dir: Path) -> tuple[torch.Tensor, dict[str, tor
     return logprobs.detach(), grads
 
 
-def test_tp1_matches_hf(tp1_world: None, moe_dir: Path, reference: tuple) -> None:
-    hf_config, hf_state = load_hf_checkpoint(moe_dir)
+def assert_logprobs_match_hf(model_dir: Path) -> dict:
+    """A TP=1 model of `model_dir` has the converter's names and HF's packed log-probs within 1e-4; returns HF's
+    gradients of the mean log-prob (the reference's loss)."""
+    hf_config, hf_state = load_hf_checkpoint(model_dir)
     model = build_gpt_model(hf_config)
     assert [k for k in model.state_dict() if not k.endswith("_extra_state")] == megatron_names(hf_config)
     load_hf_weights(model, hf_state, hf_config)
-    expected, hf_grads = _hf_logprobs_and_grads(moe_dir)
+    expected, hf_grads = _hf_logprobs_and_grads(model_dir)
     with torch.no_grad():
         logprobs = token_logprobs(model, *_packed(range(len(LENGTHS))))
-    assert (logprobs - expected).abs().max().item() < 1e-4
-    _, _, grads, unpacked_gap, norm = reference
-    assert unpacked_gap < 1e-5
+    assert (logprobs - expected).abs().max().item() < 1e-4, model_dir
+    return hf_grads
+
+
+def assert_grads_match_hf(grads: dict, norm: float, hf_grads: dict) -> None:
+    """The reference step's gradients equal HF's, and the learner's grad norm is their norm."""
     assert abs(norm - sum(g.pow(2).sum() for g in grads.values()).sqrt().item()) < 1e-6
     assert grads.keys() == hf_grads.keys()
     for name, grad in grads.items():
         assert torch.allclose(grad, hf_grads[name], rtol=1e-3, atol=1e-5), name
+
+
+def test_tp1_matches_hf(tp1_world: None, moe_dir: Path, reference: tuple) -> None:
+    hf_grads = assert_logprobs_match_hf(moe_dir)
+    _, _, grads, unpacked_gap, norm = reference
+    assert unpacked_gap < 1e-5
+    assert_grads_match_hf(grads, norm, hf_grads)
 
 
 def _parallel_rank(
