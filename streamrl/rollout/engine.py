@@ -183,8 +183,9 @@ class VLLMEngine:
         positions = self._prompt_logprobs.pop(request_id)[len(prompt_token_ids) :]
         return [entry[token].logprob for entry, token in zip(positions, response_token_ids, strict=True)]
 
-    def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> None:
-        """Apply a whole version between steps, restart in-flight KV under it, then record `version`."""
+    def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+        """Apply a whole version between steps, restart in-flight KV under it, then record `version`; returns
+        the worker's load stats (`path`: "layerwise" or "planned", see `worker_extension`)."""
         (stats, *_) = self.llm.collective_rpc("streamrl_apply_weights", args=(tensors,))
         # Running requests are preempted and recompute their KV with the new weights; cached prefix
         # blocks computed by the old weights are dropped. Without this a sequence would mix policies.
@@ -192,3 +193,4 @@ class VLLMEngine:
             raise RuntimeError("load_weights: vLLM could not reset the prefix cache")
         self.policy_version = version
         logger.info("loaded policy version %d: %s", version, stats)
+        return stats

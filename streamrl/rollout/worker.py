@@ -59,6 +59,9 @@ class RolloutWorker:
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._pending: tuple[int, list[Any], Future[int]] | None = None  # a received version to apply
         self._pending_lock = threading.Lock()
+        # Held while a version is taken and applied: the next receive overwrites the weight group's staging
+        # buffers, which an apply still reads.
+        self._applying = threading.Lock()
         self._loop_running = threading.Event()
         self._stop = threading.Event()
         self.weights: list[WeightGroup] = []  # one group per learner pipeline stage
@@ -177,6 +180,10 @@ class RolloutWorker:
         """Receive one whole version, have the loop apply it between steps; returns the version running."""
         if not self.weights:
             raise RuntimeError(f"{self.engine_id}: not in a weight group")
+        with self._applying, self._pending_lock:
+            superseded, self._pending = self._pending, None
+        if superseded is not None:  # an earlier version, timed out before the loop applied it
+            superseded[2].set_exception(RuntimeError(f"version {superseded[0]} superseded before it was applied"))
         version, tensors = receive_stages(self.weights)
         future: Future[int] = Future()
         with self._pending_lock:
@@ -186,19 +193,20 @@ class RolloutWorker:
         return future.result(timeout=self.config.train.publish_timeout_s)
 
     def _apply_pending(self) -> None:
-        with self._pending_lock:
-            pending = self._pending
-            if pending is None or (self._draining() and self.engine.has_unfinished()):
-                return
-            self._pending = None
-        version, tensors, future = pending
-        try:
-            if version != self.engine.policy_version:  # a catch-up publish may resend the running version
-                self.engine.load_weights(version, tensors)
-                self.versions_applied += 1
-            future.set_result(self.engine.policy_version)
-        except Exception as exc:  # noqa: BLE001 - the receiver reports it; the old version keeps running
-            future.set_exception(exc)
+        with self._applying:
+            with self._pending_lock:
+                pending = self._pending
+                if pending is None or (self._draining() and self.engine.has_unfinished()):
+                    return
+                self._pending = None
+            version, tensors, future = pending
+            try:
+                if version != self.engine.policy_version:  # a catch-up publish may resend the running version
+                    self.engine.load_weights(version, tensors)
+                    self.versions_applied += 1
+                future.set_result(self.engine.policy_version)
+            except Exception as exc:  # noqa: BLE001 - the receiver reports it; the old version keeps running
+                future.set_exception(exc)
 
     # -- inspection -------------------------------------------------------------------------------
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

@@ -6,16 +6,20 @@ Contract
 into every worker; its methods run there through `LLM.collective_rpc`:
 
 - `streamrl_apply_weights(tensors)` takes ONE complete version as `(hf_name, tensor)` pairs (HF
-  checkpoint names, e.g. `model.layers.0.self_attn.q_proj.weight`) and loads them in a single
-  layerwise-reload sequence: `initialize_layerwise_reload(model)` → `model.load_weights(...)` for
-  every tensor → `finalize_layerwise_reload(model, model_config)`. Before anything is touched,
-  every name must be a parameter of the HF checkpoint with the checkpoint's shape, no name may
-  repeat, and every checkpoint tensor must be present; otherwise `ValueError` (naming the tensor)
-  and the old weights stay intact. Completeness is required because vLLM fuses HF tensors
-  (q/k/v → qkv_proj, gate/up → gate_up_proj) and a layer that gets only part of its tensors
-  before finalize is processed from partly uninitialised storage. Returns
-  `{"num_tensors", "num_bytes", "checksum"}` where checksum is the float64 sum of all received
-  values, so the caller can compare it with the sender's.
+  checkpoint names, e.g. `model.layers.0.self_attn.q_proj.weight`). Before anything is touched, every
+  name must be a parameter of the HF checkpoint with the checkpoint's shape, no name may repeat, and
+  every checkpoint tensor must be present; otherwise `ValueError` (naming the tensor) and the old weights
+  stay intact. Completeness is required because vLLM fuses HF tensors (q/k/v → qkv_proj, gate/up →
+  gate_up_proj) and a layer that gets only part of its tensors is left half updated.
+  The first version loads through vLLM's layerwise reload (`initialize_layerwise_reload` →
+  `model.load_weights` → `finalize_layerwise_reload`). Then, for an unquantized model, the same tensors are
+  loaded once more straight into the live parameters while a `CopyPlan` records the copies vLLM's loaders
+  make; the plan is kept only if that changed no weight (a position-weighted checksum of every parameter,
+  so a reordering shows too). Every later version with the same tensor list is the plan's one multi-tensor
+  copy: no Python per tensor. Without a plan (quantized model, a loader that computes values, a changed
+  tensor list; on CPU, where vLLM moves linear weights into oneDNN handles outside any parameter) every
+  version takes the layerwise path. Returns `{"num_tensors", "num_bytes", "path", "plan"}` (`plan`:
+  "recorded" or "refused: <reason>").
 - `streamrl_weight_checksum()` returns the float64 sum of every parameter of the live model
   (a cheap "did the weights change" probe for tests).
 
@@ -25,10 +29,15 @@ e.g. `reload_weights`), hence the `streamrl_` prefix on every method.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from streamrl.weights.copy_plan import CopyPlan
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -87,6 +96,24 @@ def _repack_cpu_moe_experts(model: torch.nn.Module) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+def _weights_fingerprint(model: torch.nn.Module, chunk: int = 1 << 24) -> torch.Tensor:
+    """Per parameter chunk: the float64 sum and a position-weighted sum (catches values that moved).
+
+    Chunked so that no temporary exceeds `chunk` floats on an engine whose memory vLLM has already handed
+    to the KV cache."""
+    ramp = None
+    sums = []
+    for parameter in model.parameters():
+        flat = parameter.detach().reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            piece = flat[start : start + chunk].float()
+            if ramp is None:
+                ramp = (torch.arange(chunk, device=piece.device) % 997 + 1).float()
+            weighted = piece * ramp[: piece.numel()]
+            sums.append(torch.stack([piece.sum(dtype=torch.float64), weighted.sum(dtype=torch.float64)]))
+    return torch.stack(sums)
+
+
 class WeightReloadExtension:
     """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
 
@@ -95,25 +122,61 @@ class WeightReloadExtension:
 
         The engine runs vLLM's in-process executor, so the tensors arrive here by reference.
         """
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
         shapes, optional = self._streamrl_expected_shapes()
         # Validate everything first: once initialize_layerwise_reload has moved the layers to meta
         # tensors there is no way back to the old weights.
         validate_version(tensors, shapes, optional)
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        plan: CopyPlan | None = getattr(self, "_streamrl_copy_plan", None)
         with torch.no_grad():
-            initialize_layerwise_reload(model)
-            model.load_weights(tensors)
-            finalize_layerwise_reload(model, model_config)
+            if plan is not None and plan.matches(tensors):
+                plan.replay(tensors)
+                path = "planned"
+            elif not hasattr(self, "_streamrl_copy_plan"):
+                self._streamrl_copy_plan = self._streamrl_record_plan(model, tensors)
+                path = "layerwise"
+            else:
+                self._streamrl_layerwise_load(model, tensors)
+                path = "layerwise"
             _repack_cpu_moe_experts(model)
         return {
             "num_tensors": len(tensors),
             "num_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-            "checksum": float(sum(t.double().sum().item() for _, t in tensors)),
+            "path": path,
+            "plan": getattr(self, "_streamrl_plan_status", "not recorded"),
         }
+
+    def _streamrl_layerwise_load(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        model.load_weights(tensors)
+        finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+
+    def _streamrl_record_plan(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]
+                              ) -> CopyPlan | None:  # fmt: skip
+        """Load `tensors` the layerwise way while recording a plan; keep it only if replaying it on the
+        weights just loaded changes none of them (then it does what the layerwise reload does)."""
+        if self.vllm_config.model_config.quantization is not None:  # type: ignore[attr-defined]
+            self._streamrl_layerwise_load(model, tensors)
+            self._streamrl_plan_status = "refused: quantized model"
+            return None
+        plan, reason = CopyPlan.record(lambda: self._streamrl_layerwise_load(model, tensors), tensors, model)
+        if plan is not None:
+            _repack_cpu_moe_experts(model)
+            loaded = _weights_fingerprint(model)
+            plan.replay(tensors)
+            _repack_cpu_moe_experts(model)
+            if not torch.equal(_weights_fingerprint(model), loaded):
+                plan, reason = None, "replaying it changed weights the layerwise reload had loaded"
+                self._streamrl_layerwise_load(model, tensors)
+        self._streamrl_plan_status = "recorded" if plan is not None else f"refused: {reason}"
+        if plan is None:
+            logger.warning("weights: no copy plan (%s); every version takes vLLM's layerwise reload", reason)
+        else:
+            logger.info("weights: copy plan of %d copies recorded; later versions load with it", len(plan.sources))
+        return plan
 
     def streamrl_weight_checksum(self) -> float:
         """Float64 sum of all parameters of the live (vLLM-layout) model."""

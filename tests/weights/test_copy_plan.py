@@ -1,0 +1,167 @@
+"""CopyPlan: a recorded load replays to exactly what the load does (fused, sharded and transposed copies, new
+or the recorded input tensors), and a load a replay could not repeat is refused with the reason."""
+
+from __future__ import annotations
+
+import torch
+
+from streamrl.weights.bucket import Layout, pack, unpack
+from streamrl.weights.copy_plan import CopyPlan
+
+Named = list[tuple[str, torch.Tensor]]
+H, KV = 8, 4
+
+
+class _Fused(torch.nn.Module):
+    """vLLM-like parameters: q/k/v fused into one, a tensor-parallel half of an MLP, a transposed store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(H + 2 * KV, H))
+        self.up_shard = torch.nn.Parameter(torch.zeros(H, H))  # rows [H:2H] of a [2H, H] HF tensor
+        self.out_t = torch.nn.Parameter(torch.zeros(H, 2 * H))  # stored transposed
+        self.norm = torch.nn.Parameter(torch.zeros(H))
+
+
+def _load(model: _Fused, tensors: Named) -> None:
+    """A loader in the style of vLLM's: name mapping, narrowing, views; it ends in copy_ calls."""
+    offsets = {"q": (0, H), "k": (H, KV), "v": (H + KV, KV)}
+    for name, weight in tensors:
+        if name in offsets:
+            start, size = offsets[name]
+            model.qkv.data.narrow(0, start, size).copy_(weight)
+        elif name == "up":
+            model.up_shard.data.copy_(weight.narrow(0, H, H))
+        elif name == "out":
+            model.out_t.data.copy_(weight.t())
+        else:
+            model.norm.data.copy_(weight)
+
+
+def _version(seed: int) -> Named:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"q": (H, H), "k": (KV, H), "v": (KV, H), "up": (2 * H, H), "out": (2 * H, H), "norm": (H,)}
+    return [(name, torch.randn(shape, generator=generator)) for name, shape in shapes.items()]
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_replay_equals_the_load_for_new_tensors() -> None:
+    recorded, reference = _Fused(), _Fused()
+    first = _version(0)
+    plan, reason = CopyPlan.record(lambda: _load(recorded, first), first, recorded)
+    assert reason is None and plan is not None
+    assert len(plan.destinations) == 6
+
+    second = _version(1)
+    assert plan.matches(second)
+    plan.replay(second)
+    _load(reference, second)
+    for name, value in _state(reference).items():
+        assert torch.equal(_state(recorded)[name], value), name
+
+
+def test_replay_from_kept_staging_buffers_reuses_the_recorded_views() -> None:
+    """A receiver's staging buffer keeps its address: new bytes in the same buffer replay through the recorded
+    views (no per-tensor work) and land where a fresh load puts them."""
+    model, reference = _Fused(), _Fused()
+    first = _version(0)
+    layout = Layout.of(first)
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack(first, buffer, layout)
+    staged = unpack(buffer, layout)
+    plan, _ = CopyPlan.record(lambda: _load(model, staged), staged, model)
+    assert plan is not None
+
+    second = _version(2)
+    pack(second, buffer, layout)  # the next version arrives in the same buffer
+    restaged = unpack(buffer, layout)
+    assert plan._sources_for([t for _, t in restaged]) is plan.recorded_views
+    plan.replay(restaged)
+    _load(reference, second)
+    for name, value in _state(reference).items():
+        assert torch.equal(_state(model)[name], value), name
+
+
+def test_other_tensor_lists_do_not_match() -> None:
+    model = _Fused()
+    first = _version(0)
+    plan, _ = CopyPlan.record(lambda: _load(model, first), first, model)
+    assert plan is not None
+    assert not plan.matches(first[:-1])
+    assert not plan.matches([(n, t.double()) for n, t in first])
+    assert not plan.matches([("x" if n == "q" else n, t) for n, t in first])
+
+
+def test_a_load_that_computes_values_is_refused() -> None:
+    model, tensors = _Fused(), _version(0)
+
+    def scaling_load() -> None:
+        _load(model, tensors)
+        model.norm.data.copy_(tensors[-1][1] * 2.0)  # not a view of an input: a replay cannot redo it
+
+    plan, reason = CopyPlan.record(scaling_load, tensors, model)
+    assert plan is None and "computed" in reason
+
+
+def test_other_in_place_changes_of_parameters_are_refused() -> None:
+    model, tensors = _Fused(), _version(0)
+
+    def filling_load() -> None:
+        _load(model, tensors)
+        model.norm.data.add_(1.0)
+
+    plan, reason = CopyPlan.record(filling_load, tensors, model)
+    assert plan is None and "add_" in reason
+
+
+def _two_hop_load(model: _Fused, tensors: Named) -> None:
+    """vLLM's in-place reload: load into fresh parameters, then copy each whole into the live one."""
+    fresh = _Fused()
+    _load(fresh, tensors)
+    for live, new in zip(model.parameters(), fresh.parameters(), strict=True):
+        live.data.copy_(new)
+
+
+def test_copies_through_fresh_parameters_compose() -> None:
+    model, reference = _Fused(), _Fused()
+    first = _version(0)
+    plan, reason = CopyPlan.record(lambda: _two_hop_load(model, first), first, model)
+    assert reason is None and plan is not None and len(plan.destinations) == 6
+    second = _version(3)
+    plan.replay(second)
+    _load(reference, second)
+    for name, value in _state(reference).items():
+        assert torch.equal(_state(model)[name], value), name
+
+
+def test_loaded_views_that_never_reach_the_model_are_refused() -> None:
+    model, tensors = _Fused(), _version(0)
+
+    def load_leaving_a_copy_behind() -> None:
+        scratch = torch.empty(H)
+        scratch.copy_(tensors[-1][1])
+        _load(model, tensors)
+
+    plan, reason = CopyPlan.record(load_leaving_a_copy_behind, tensors, model)
+    assert plan is None and "never reached" in reason
+
+
+def test_values_read_on_the_host_are_refused_constants_are_not() -> None:
+    model, tensors = _Fused(), _version(0)
+
+    def load_through_item() -> None:
+        _load(model, tensors)
+        model.norm.data[0].fill_(tensors[-1][1][0].item())  # vLLM's loader for one-element parameters
+
+    plan, reason = CopyPlan.record(load_through_item, tensors, model)
+    assert plan is None and "item" in reason
+
+    def load_and_reset_a_constant() -> None:
+        _load(model, tensors)
+        model.norm.data[0].fill_(1.0)
+
+    plan, reason = CopyPlan.record(load_and_reset_a_constant, tensors, model)
+    assert reason is None and plan is not None
