@@ -66,7 +66,20 @@ class RolloutConfig(_Section):
     weight_update: Literal["inflight", "drain"] = Field(
         "inflight", description="Apply a new version between decoding steps (inflight) or once no request runs."
     )
+    weight_apply: Literal["staged", "streamed"] = Field(
+        "staged",
+        description="staged: receive a version while decoding, then pause once to load it; streamed: pause for the "
+        "transfer and load each bucket as it arrives (a new version runs sooner; the old one is swapped back if the "
+        "publish fails). Streamed needs weight_update=inflight and falls back to staged when it cannot stream.",
+    )
     restart_dead_engines: bool = Field(True, description="Replace an engine that died; it catches up by itself.")
+
+    @model_validator(mode="after")
+    def _streamed_needs_inflight(self) -> RolloutConfig:
+        if self.weight_apply == "streamed" and self.weight_update == "drain":
+            raise ValueError("rollout.weight_apply: 'streamed' pauses running requests, so it needs "
+                             "rollout.weight_update 'inflight', not 'drain'")  # fmt: skip
+        return self
 
 
 class LearnerConfig(_Section):

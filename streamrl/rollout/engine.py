@@ -183,14 +183,36 @@ class VLLMEngine:
         positions = self._prompt_logprobs.pop(request_id)[len(prompt_token_ids) :]
         return [entry[token].logprob for entry, token in zip(positions, response_token_ids, strict=True)]
 
-    def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
-        """Apply a whole version between steps, restart in-flight KV under it, then record `version`; returns
-        the worker's load stats (`path`: "layerwise" or "planned", see `worker_extension`)."""
-        (stats, *_) = self.llm.collective_rpc("streamrl_apply_weights", args=(tensors,))
+    def begin_streamed_load(self) -> bool:
+        """Whether the next version can be loaded bucket by bucket as it arrives (see `worker_extension`)."""
+        (ready,) = self.llm.collective_rpc("streamrl_stream_begin")
+        return bool(ready)
+
+    def load_bucket(self, tensors: list[tuple[str, Any]]) -> None:
+        """Swap one arrived bucket into the weights; no decoding step may run until `end_streamed_load`."""
+        self.llm.collective_rpc("streamrl_stream_bucket", args=(tensors,))
+
+    def end_streamed_load(self, version: int | None) -> bool:
+        """Keep the streamed version (`version`), or with None swap the previous one back; False if it was
+        undone (then the caller loads the staged version with `load_weights`, or keeps the running one)."""
+        (kept,) = self.llm.collective_rpc("streamrl_stream_end", args=(version is not None,))
+        if kept:
+            self._restart_requests()
+            self.policy_version = version
+            logger.info("loaded policy version %d, streamed", version)
+        return bool(kept)
+
+    def _restart_requests(self) -> None:
         # Running requests are preempted and recompute their KV with the new weights; cached prefix
         # blocks computed by the old weights are dropped. Without this a sequence would mix policies.
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("load_weights: vLLM could not reset the prefix cache")
+
+    def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+        """Apply a whole version between steps, restart in-flight KV under it, then record `version`; returns
+        the worker's load stats (`path`: "layerwise" or "planned", see `worker_extension`)."""
+        (stats, *_) = self.llm.collective_rpc("streamrl_apply_weights", args=(tensors,))
+        self._restart_requests()
         self.policy_version = version
         logger.info("loaded policy version %d: %s", version, stats)
         return stats

@@ -8,7 +8,9 @@ Threads of the actor and what they own:
   When the stream's backlog is at `queue.max_backlog` it holds finished groups and submits no new
   prompts, but keeps applying weight updates, so backpressure can never deadlock a publish.
 - receivers (`receive_weights()`): block in the weight group until a whole version has arrived,
-  hand it to the loop and wait until it is applied.
+  hand it to the loop and wait until it is applied. With `rollout.weight_apply=streamed` the receive
+  itself runs on the loop (the engine pauses for the transfer) and each bucket is swapped into the
+  weights as it arrives; a publish that fails swaps the previous version back (invariant 3).
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
 Every token is stamped with the version it was sampled under (invariant 1).
 """
@@ -184,6 +186,9 @@ class RolloutWorker:
             superseded, self._pending = self._pending, None
         if superseded is not None:  # an earlier version, timed out before the loop applied it
             superseded[2].set_exception(RuntimeError(f"version {superseded[0]} superseded before it was applied"))
+        if self.config.rollout.weight_apply == "streamed" and len(self.weights) == 1:
+            # On the loop thread: no decoding step runs while the buckets are swapped in.
+            return self._on_loop(self._receive_streamed, timeout_s=self.config.train.publish_timeout_s)
         version, tensors = receive_stages(self.weights)
         future: Future[int] = Future()
         with self._pending_lock:
@@ -207,6 +212,24 @@ class RolloutWorker:
                 future.set_result(self.engine.policy_version)
             except Exception as exc:  # noqa: BLE001 - the receiver reports it; the old version keeps running
                 future.set_exception(exc)
+
+    def _receive_streamed(self) -> int:
+        """Receive a version, loading each bucket as it arrives when the engine can; whole or not at all."""
+        streaming = self.engine.begin_streamed_load()
+        try:
+            version, tensors = self.weights[0].receive(on_bucket=self.engine.load_bucket if streaming else None)
+        except BaseException:
+            if streaming:
+                self.engine.end_streamed_load(None)  # the previous version, swapped back bit for bit
+            raise
+        if version == self.engine.policy_version:  # a catch-up publish may resend the running version
+            if streaming:
+                self.engine.end_streamed_load(None)
+            return version
+        if not (streaming and self.engine.end_streamed_load(version)):
+            self.engine.load_weights(version, tensors)
+        self.versions_applied += 1
+        return self.engine.policy_version
 
     # -- inspection -------------------------------------------------------------------------------
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

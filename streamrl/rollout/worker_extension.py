@@ -20,6 +20,11 @@ into every worker; its methods run there through `LLM.collective_rpc`:
   tensor list; on CPU, where vLLM moves linear weights into oneDNN handles outside any parameter) every
   version takes the layerwise path. Returns `{"num_tensors", "num_bytes", "path", "plan"}` (`plan`:
   "recorded" or "refused: <reason>").
+- Streamed loads (`rollout.weight_apply=streamed`): `streamrl_stream_begin()` answers whether this worker can
+  load the next version bucket by bucket (it has a copy plan that can swap, see `copy_plan.StreamedLoad`);
+  `streamrl_stream_bucket(tensors)` swaps one arrived bucket in; `streamrl_stream_end(commit)` keeps the new
+  weights (True) or swaps every bucket back and answers False (not committed, or a bucket the plan did not
+  know: the caller then loads the staged version the ordinary way).
 - `streamrl_weight_checksum()` returns the float64 sum of every parameter of the live model
   (a cheap "did the weights change" probe for tests).
 
@@ -35,7 +40,7 @@ from typing import Any
 
 import torch
 
-from streamrl.weights.copy_plan import CopyPlan
+from streamrl.weights.copy_plan import CopyPlan, StreamedLoad
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +182,29 @@ class WeightReloadExtension:
         else:
             logger.info("weights: copy plan of %d copies recorded; later versions load with it", len(plan.sources))
         return plan
+
+    def streamrl_stream_begin(self) -> bool:
+        plan: CopyPlan | None = getattr(self, "_streamrl_copy_plan", None)
+        problem = "no copy plan yet" if plan is None else plan.swap_problem()
+        self._streamrl_stream = StreamedLoad(plan) if problem is None else None
+        if problem is not None:
+            logger.info("weights: this version is staged, not streamed (%s)", problem)
+        return self._streamrl_stream is not None
+
+    def streamrl_stream_bucket(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            self._streamrl_stream.bucket(tensors)
+
+    def streamrl_stream_end(self, commit: bool) -> bool:
+        stream, self._streamrl_stream = self._streamrl_stream, None
+        with torch.no_grad():
+            if commit and stream.broken is None:
+                _repack_cpu_moe_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
+                return True
+            if stream.broken is not None:
+                logger.warning("weights: streamed load undone (%s)", stream.broken)
+            stream.undo()
+        return False
 
     def streamrl_weight_checksum(self) -> float:
         """Float64 sum of all parameters of the live (vLLM-layout) model."""

@@ -26,14 +26,23 @@ Contract
   the recorded views are reused when the tensors are the very ones recorded (a receiver's kept staging
   buffers; the plan holds that storage, which then costs nothing). Destinations are views of the module's
   parameters as they were when recorded: valid while the module keeps that storage (vLLM's reloads do).
+- `StreamedLoad(plan)` loads a version bucket by bucket as the buckets arrive, into the recorded inputs (a
+  receiver's kept staging buffers): `bucket(tensors)` SWAPS each copy's source and destination (the staging
+  buffer then holds the old values), `undo()` swaps back every bucket done, in reverse, restoring the previous
+  weights bit for bit. So a version can be loaded while it is still arriving and yet be applied whole or not
+  at all (invariant 3); the caller must not run the model in between. `plan.swap_problem()` says why a plan
+  cannot swap (sources or destinations that overlap, a copy that converts dtypes); a bucket that is not made of
+  recorded inputs marks the load `broken` (with the reason) and is left alone: the caller undoes and loads the
+  staged version the ordinary way.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -140,6 +149,15 @@ class CopyPlan:
     sources: tuple[_Source, ...]
     recorded_views: list[torch.Tensor]  # the sources as recorded, reused while the inputs are the same tensors
     recorded_inputs: tuple[int, ...]  # data_ptr of each recorded input
+    _input_index: dict[int, int] = field(default_factory=dict)  # data_ptr -> input index
+    _copies_of_input: list[list[int]] = field(default_factory=list)  # input index -> indices of its copies
+    _bucket_cache: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._input_index.update({ptr: index for index, ptr in enumerate(self.recorded_inputs)})
+        self._copies_of_input.extend([] for _ in self.recorded_inputs)
+        for copy, source in enumerate(self.sources):
+            self._copies_of_input[source.index].append(copy)
 
     @staticmethod
     def record(load: Callable[[], object], tensors: NamedTensors, module: torch.nn.Module
@@ -174,8 +192,62 @@ class CopyPlan:
     def replay(self, tensors: NamedTensors) -> None:
         torch._foreach_copy_(self.destinations, self._sources_for([tensor for _, tensor in tensors]))
 
+    def bucket_copies(self, tensors: NamedTensors) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(destinations, sources) of the copies that read these recorded inputs; None if they are not ones."""
+        key = (tensors[0][1].data_ptr(), len(tensors)) if tensors else (0, 0)
+        cached = self._bucket_cache.get(key)
+        if cached is None:
+            indices = [self._input_index.get(tensor.data_ptr()) for _, tensor in tensors]
+            if None in indices or any(self.names[i] != name for i, (name, _) in zip(indices, tensors, strict=True)):
+                return None
+            chosen = [c for i in indices for c in self._copies_of_input[i]]
+            cached = ([self.destinations[c] for c in chosen], [self.recorded_views[c] for c in chosen])
+            self._bucket_cache[key] = cached
+        return cached
+
+    def swap_problem(self) -> str | None:
+        for destination, view in zip(self.destinations, self.recorded_views, strict=True):
+            if destination.dtype != view.dtype:
+                return f"a copy converts {view.dtype} to {destination.dtype}"
+        for what, tensors in (("sources", self.recorded_views), ("destinations", self.destinations)):
+            extents = sorted(_extent(t) for t in tensors)
+            if any(later[0] < earlier[1] for earlier, later in itertools.pairwise(extents)):
+                return f"copy {what} overlap"
+        return None
+
     def _sources_for(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if tuple(t.data_ptr() for t in inputs) == self.recorded_inputs:
             return self.recorded_views
         return [inputs[s.index].as_strided(s.size, s.stride, inputs[s.index].storage_offset() + s.offset)
                 for s in self.sources]  # fmt: skip
+
+
+def _swap(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    scratch = [torch.empty_like(d) for d in destinations]
+    torch._foreach_copy_(scratch, destinations)
+    torch._foreach_copy_(destinations, sources)
+    torch._foreach_copy_(sources, scratch)
+
+
+class StreamedLoad:
+    """A version loaded bucket by bucket by swapping with the staging buffers; see the module docstring."""
+
+    def __init__(self, plan: CopyPlan):
+        self.plan = plan
+        self.broken: str | None = None
+        self._done: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def bucket(self, tensors: NamedTensors) -> None:
+        if self.broken is not None:
+            return
+        copies = self.plan.bucket_copies(tensors)
+        if copies is None:
+            self.broken = f"a bucket starting at {tensors[0][0] if tensors else None!r} is not in the copy plan"
+            return
+        _swap(*copies)
+        self._done.append(copies)
+
+    def undo(self) -> None:
+        for copies in reversed(self._done):
+            _swap(*copies)
+        self._done.clear()

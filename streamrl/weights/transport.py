@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,7 +81,8 @@ class WeightGroup:
         self._buffers: list[torch.Tensor] = []  # the publisher's two reusable bucket buffers
         self._in_flight: list[list[dist.Work]] = [[], []]  # per buffer: the broadcasts still reading it
         self._plans: dict[int, tuple[Layout, ...]] = {}  # plan id -> the bucket layouts of a version
-        self._staging: dict[int, tuple[list[torch.Tensor], NamedTensors]] = {}  # receiver: plan id -> buffers, views
+        # receiver: plan id -> kept staging buffers, the tensor views of them, each bucket's first view
+        self._staging: dict[int, tuple[list[torch.Tensor], NamedTensors, list[int]]] = {}
         self._plan_ids: dict[int, int] = {}  # publisher: bucket_bytes -> plan id
         self._next_plan_id = itertools.count()
 
@@ -168,9 +169,11 @@ class WeightGroup:
         extra = sum(1 for _ in tensors)  # drains the stream: other learner ranks take part in its gathers
         return problem or (f"{extra} tensors more than planned" if extra else None)
 
-    def receive(self) -> tuple[int, NamedTensors]:
+    def receive(self, on_bucket: Callable[[NamedTensors], None] | None = None) -> tuple[int, NamedTensors]:
         """Ranks >= 1: block until a whole version has arrived; returns it (views of the kept staging buffers,
-        valid until the next receive)."""
+        valid until the next receive). `on_bucket` is called with each bucket's tensors as soon as they have
+        arrived, before the version is committed (a streamed load, which must be able to undo what it did if
+        this then raises); if it raises, the version is still taken off the wire, then the error re-raised."""
         if self.rank == 0:
             raise RuntimeError("weights: rank 0 publishes, it does not receive")
         version, plan_id, mode = self._receive_ints(3)
@@ -178,31 +181,40 @@ class WeightGroup:
             plan = self._plans.get(plan_id)
             if plan is None:
                 raise ValueError(f"weights: version {version} uses bucket plan {plan_id}, which this receiver lacks")
-            buffers, staged = self._staging[plan_id]
+            buffers, staged, firsts = self._staging[plan_id]
             works = [self._broadcast(buffer) for buffer in buffers]
         elif mode == _DISCOVER:
-            discovered, buffers, works, staged = [], [], [], []
+            discovered, buffers, works, staged, firsts = [], [], [], [], []
             while size := self._receive_ints(1)[0]:
                 encoded = torch.empty(size, dtype=torch.uint8, device=self.device)
                 self._broadcast(encoded).wait()
                 layout = Layout.decode(encoded.cpu().numpy().tobytes())
                 buffers.append(torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device))
                 works.append(self._broadcast(buffers[-1]))
+                firsts.append(len(staged))
                 staged += unpack(buffers[-1], layout)  # views only: host work while the bytes are in flight
                 discovered.append(layout)
             plan = tuple(discovered)
         else:
             raise ValueError(f"weights: version {version} has unknown publish mode {mode}")
-        for work in works:
+        failure: Exception | None = None
+        for first, end, work in zip(firsts, [*firsts[1:], len(staged)], works, strict=True):
             work.wait()
+            if on_bucket is not None and failure is None:
+                try:
+                    on_bucket(staged[first:end])
+                except Exception as exc:  # noqa: BLE001 - the rest of the version must still be taken off the wire
+                    failure = exc
         committed_version, committed = self._receive_ints(2)
+        if failure is not None:
+            raise failure
         if committed_version != version or not committed:
             self._plans.pop(plan_id, None)
             self._staging.pop(plan_id, None)
             raise ValueError(f"weights: version {version} was not committed by the publisher (bucket plan {plan_id} "
                              "no longer matches the model); the running version stays")  # fmt: skip
         self._plans[plan_id] = plan
-        self._staging[plan_id] = (buffers, staged)
+        self._staging[plan_id] = (buffers, staged, firsts)
         return version, list(staged)
 
 

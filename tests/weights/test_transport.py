@@ -1,6 +1,8 @@
 """The weight group (gloo on CPU, NCCL on GPUs): versions arrive whole and bit-exact, the first publish at a
 bucket size carries the layouts and later ones only payloads, a model whose tensors no longer match the plan
-fails the version on every member (and the next publish re-plans), and a dead receiver fails the publish fast."""
+fails the version on every member (and the next publish re-plans), and a dead receiver fails the publish fast.
+A streamed load (each bucket swapped into a model as it arrives) ends with the new version when it commits and
+with the previous one, bit for bit, when it does not."""
 
 import multiprocessing as mp
 import os
@@ -62,10 +64,50 @@ def _member(rank: int, world: int, port: int, device: str, out: str, die_after_j
     Path(out, f"rank{rank}").write_text("\n".join(results))
 
 
-def _run(world: int, tmp_path: Path, device: str, dead_rank: int | None = None) -> list[mp.Process]:
+def _streaming_member(rank: int, world: int, port: int, device: str, out: str, _: bool) -> None:
+    """Receivers load each version into a model of their own, bucket by bucket, through a recorded copy plan."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from streamrl.weights.copy_plan import CopyPlan, StreamedLoad
+    from streamrl.weights.transport import WeightGroup
+
+    group = WeightGroup("127.0.0.1", port, rank, world, generation=0, timeout_s=TIMEOUT_S, device=device)
+    if rank == 0:
+        for version, (seed, changed) in VERSIONS.items():
+            try:
+                group.publish(version, iter(_tensors(seed, changed)), bucket_bytes=BUCKET_BYTES)
+            except ValueError:
+                pass  # version 7: the plan no longer matches
+        return
+    model = torch.nn.ParameterDict({n.replace(".", "_"): torch.zeros_like(t) for n, t in _tensors(0)})
+
+    def load(named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
+            model[name.replace(".", "_")].data.copy_(tensor)
+
+    def model_is(seed: int) -> bool:
+        return all(torch.equal(model[n.replace(".", "_")], t) for n, t in _tensors(seed))
+
+    results = []
+    _, first = group.receive()  # version 5 discovers the layouts; the plan is recorded on its staging
+    plan, _ = CopyPlan.record(lambda: load(first), first, model)
+    results.append(f"5 {model_is(0)} {plan.swap_problem()}")
+    for version in (6, 7, 8):
+        stream = StreamedLoad(plan)
+        try:
+            group.receive(on_bucket=stream.bucket)
+            outcome = "committed"
+        except ValueError as exc:
+            stream.undo()
+            outcome = "undone" if "not committed" in str(exc) else str(exc)
+        seed = VERSIONS[version][0]
+        results.append(f"{version} {outcome} {stream.broken is not None} {model_is(1)} {model_is(seed)}")
+    Path(out, f"rank{rank}").write_text("\n".join(results))
+
+
+def _run(world: int, tmp_path: Path, device: str, dead_rank: int | None = None, member=_member) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_member, args=(r, world, port, device, str(tmp_path), r == dead_rank))
+    procs = [ctx.Process(target=member, args=(r, world, port, device, str(tmp_path), r == dead_rank))
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
@@ -105,3 +147,16 @@ def test_dead_receiver_fails_the_publish_within_the_bound(tmp_path: Path) -> Non
     result = (tmp_path / "rank0").read_text().splitlines()[0]
     assert result.startswith("error"), result
     assert float(result.split()[1]) <= TIMEOUT_S + 5
+
+
+def test_a_streamed_load_is_applied_whole_or_swapped_back(tmp_path: Path) -> None:
+    procs = _run(2, tmp_path, "cpu", member=_streaming_member)
+    assert [p.exitcode for p in procs] == [0, 0]
+    first, planned, broken, replanned = (tmp_path / "rank1").read_text().splitlines()
+    assert first == "5 True None"  # recorded on the first version, which it loaded; the plan can swap
+    # version 6 streamed in whole: the model holds version 6 (seed 1)
+    assert planned == "6 committed False True True"
+    # version 7 failed after its buckets were swapped in: swapped back, the model is still version 6 bit for bit
+    assert broken == "7 undone False True False"
+    # version 8 re-planned into new staging buffers the plan does not know: nothing streamed, version 6 stays
+    assert replanned == "8 committed True True False"
