@@ -8,12 +8,15 @@ stacked) from a Qwen3-shaped HF config with random weights and publishes it thro
 `stream_hf_weights` (TP gather, fused QKV / gate-up split, experts one by one, HF names), cast to bf16,
 `WeightGroup.publish` (double-buffered buckets over a standalone NCCL group). Receivers stage the whole version
 (`WeightGroup.receive`) and then load it, i.e. copy every tensor into a preallocated HF-layout parameter of its
-own (vLLM is not on the GPU image: its `load_weights` does the same copy plus a few fused-layout views). The
-`-hf` model skips the learner: its HF tensors are created on the GPU directly (bucketing + transfer + load only).
+own: a vLLM engine with a recorded `CopyPlan` does exactly that, one multi-tensor copy (the first version goes
+through vLLM's layerwise reload). The `-hf` model skips the learner: its HF tensors are created on the GPU
+directly (bucketing + transfer + load only).
 
 In the same run, the same receivers time:
 - ceiling: a raw NCCL broadcast of the same number of bytes from one flat buffer, in 1 GiB pieces;
 - bucketed: every publish after the first at a bucket size (layouts planned once, payloads only);
+- streamed: `rollout.weight_apply=streamed`: the receiver swaps each bucket into its parameters as it arrives
+  (`StreamedLoad` over a `CopyPlan` recorded from its staging; the engine pauses for the transfer instead);
 - first: a publish at a bucket size never used before (the layouts travel with the buckets);
 - naive: as verl-style syncs do, every HF tensor converted and broadcast on its own, the receiver loading each
   tensor as it arrives (which could leave an engine half updated: no staging).
@@ -26,6 +29,7 @@ stream with nothing sent (the publisher's floor).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -63,12 +67,19 @@ def hf_config(name: str) -> dict:
 
 
 def budgets(args: argparse.Namespace, trial: int) -> list[int]:
-    """Bucket budgets of one trial: the planned ones, then one never used before (its layouts must travel)."""
-    return [mb << 20 for mb in args.bucket_mb] + [(max(args.bucket_mb) << 20) - 16 * (trial + 1)]
+    """Bucket budgets of one trial: the planned ones, the largest twice more (streamed: an untimed publish that
+    re-stages that plan, then the timed one), then one never used before (its layouts must travel)."""
+    largest = max(args.bucket_mb) << 20
+    return [mb << 20 for mb in args.bucket_mb] + [largest, largest, largest - 16 * (trial + 1)]
 
 
 def labels(args: argparse.Namespace) -> list[str]:
-    return [f"bucketed {mb} MiB" for mb in args.bucket_mb] + [f"first {max(args.bucket_mb)} MiB"]
+    largest = max(args.bucket_mb)
+    return [f"bucketed {mb} MiB" for mb in args.bucket_mb] + [_PRIME, f"streamed {largest} MiB",
+                                                              f"first {largest} MiB"]  # fmt: skip
+
+
+_PRIME = "prime streamed"  # receiver label of the untimed publish before a streamed one
 
 
 def moe_tensors(layers: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -147,7 +158,14 @@ def _load(destination: dict[str, torch.Tensor], tensors: list[tuple[str, torch.T
     torch._foreach_copy_([destination[name] for name, _ in tensors], [tensor for _, tensor in tensors])
 
 
+def _load_each(destination: dict[str, torch.Tensor], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """The same load one tensor at a time, as an engine's loader does it (what a `CopyPlan` records)."""
+    for name, tensor in tensors:
+        destination[name].copy_(tensor)
+
+
 def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -> None:
+    from streamrl.weights.copy_plan import CopyPlan, StreamedLoad
     from streamrl.weights.transport import WeightGroup
 
     torch.cuda.set_device(rank)
@@ -173,24 +191,35 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
         _barrier(group.group, device)
         if trial:
             timings.setdefault("ceiling", []).append(time.perf_counter() - start)
+        plan = None
         for label in labels(args):
             _barrier(group.group, device)
             start = time.perf_counter()
-            _, tensors = group.receive()
+            if label.startswith("streamed"):
+                stream = StreamedLoad(plan)
+                _, tensors = group.receive(on_bucket=stream.bucket)  # each bucket swapped in as it arrives
+                assert stream.broken is None, stream.broken
+            else:
+                _, tensors = group.receive()
             torch.cuda.synchronize(device)
             received_at = time.perf_counter()
             for name, tensor in tensors:
                 destination.setdefault(name, torch.empty_like(tensor))
-            _load(destination, tensors)
+            if label == _PRIME:  # the staging this plan's next publish reuses: record the load from it
+                plan, problem = CopyPlan.record(functools.partial(_load_each, destination, tensors), tensors,
+                                                destination.values())  # fmt: skip
+                assert plan is not None and plan.swap_problem() is None, problem
+            elif not label.startswith("streamed"):
+                _load(destination, tensors)
             torch.cuda.synchronize(device)
             loaded_at = time.perf_counter()
             _barrier(group.group, device)
-            if trial:
+            if trial and label != _PRIME:
                 timings.setdefault(label, []).append(time.perf_counter() - start)
-                timings.setdefault(f"{label} transfer", []).append(received_at - start)
-                timings.setdefault(f"{label} load", []).append(loaded_at - received_at)
+                if not label.startswith("streamed"):
+                    timings.setdefault(f"{label} transfer", []).append(received_at - start)
+                    timings.setdefault(f"{label} load", []).append(loaded_at - received_at)
             shapes = [(n, tuple(t.shape)) for n, t in tensors]
-            del tensors  # the staged version: freed before the next one arrives, as an engine does once loaded
         _barrier(group.group, device)
         start = time.perf_counter()
         for name, shape in shapes:  # naive: receive each tensor into a fresh buffer and load it at once
@@ -251,9 +280,11 @@ def report(args: argparse.Namespace, per_receiver: list, learner: dict[str, list
         print(f"{m:<28}{s:>9.3f}{gb / s:>9.1f}{ratios}")
     planned = [m for m in median if m.startswith("bucketed") and not m.endswith(("transfer", "load"))]
     best = min(planned, key=median.__getitem__)
-    rates = {"with load": total_bytes / median[best], "transfer": total_bytes / median[f"{best} transfer"]}
+    streamed = next(m for m in median if m.startswith("streamed"))
+    rates = {"with load": total_bytes / median[best], "transfer": total_bytes / median[f"{best} transfer"],
+             "streamed": total_bytes / median[streamed]}  # fmt: skip
     extrapolated = {kind: {n: b / rate for n, b in EXTRAPOLATE.items()} for kind, rate in rates.items()}
-    print(f"\nextrapolated full publish at the rates of {best} (with load / transfer only):")
+    print(f"\nextrapolated full publish at the rates of {best} (with load / transfer only) and {streamed}:")
     for name, nbytes in EXTRAPOLATE.items():
         seconds = " / ".join(f"{extrapolated[kind][name]:.2f}" for kind in rates)
         print(f"  {name:<20} {nbytes / 1e9:>7.0f} GB  {seconds} s")

@@ -167,7 +167,8 @@ class WeightReloadExtension:
             self._streamrl_layerwise_load(model, tensors)
             self._streamrl_plan_status = "refused: quantized model"
             return None
-        plan, reason = CopyPlan.record(lambda: self._streamrl_layerwise_load(model, tensors), tensors, model)
+        plan, reason = CopyPlan.record(lambda: self._streamrl_layerwise_load(model, tensors), tensors,
+                                       [*model.parameters(), *model.buffers()])  # fmt: skip
         if plan is not None:
             _repack_cpu_moe_experts(model)
             loaded = _weights_fingerprint(model)

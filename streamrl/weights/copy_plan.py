@@ -12,20 +12,21 @@ allocation).
 
 Contract
 --------
-- `CopyPlan.record(load, tensors, module)` calls `load()` (which must load `tensors` into `module`) and returns
-  `(plan, None)`, or `(None, reason)` when the copies it saw cannot be composed into a replay: a value that
-  reaches the module other than by `copy_` (`__setitem__`, `add_`, a fill with a tensor or with a number read
-  from an input by `item()`; a fill with a constant is the same every version), a copy of a computed tensor
-  (not a view of an input) into the module, a fresh parameter copied into one of another layout, or an input
-  copied somewhere that never reached the module. The load itself has run either way. The plan is only what
+- `CopyPlan.record(load, tensors, targets)` calls `load()`, which must load `tensors` into the storage of the
+  `targets` (the module: a model's parameters and buffers), and returns `(plan, None)`, or `(None, reason)`
+  when the copies it saw cannot be composed into a replay: a value that reaches the module other than by
+  `copy_` (`__setitem__`, `add_`, a fill with a tensor or with a number read from an input by `item()`; a fill
+  with a constant is the same every version), a copy of a computed tensor (not a view of an input) into the
+  module, a fresh parameter copied into one of another layout, or an input copied somewhere that never
+  reached the module. The load itself has run either way. The plan is only what
   the copies say: processing between a fresh parameter's load and its copy into the module (quantisation,
   repacking) is invisible here, so a caller checks a replay against the load it recorded (the vLLM worker
   compares weight fingerprints).
 - `plan.matches(tensors)`: the same names, dtypes and shapes in the same order as recorded.
 - `plan.replay(tensors)` requires `matches`; sources are re-derived from the new tensors by their offsets, or
   the recorded views are reused when the tensors are the very ones recorded (a receiver's kept staging
-  buffers; the plan holds that storage, which then costs nothing). Destinations are views of the module's
-  parameters as they were when recorded: valid while the module keeps that storage (vLLM's reloads do).
+  buffers; the plan holds that storage, which then costs nothing). Destinations are views of the targets'
+  storage as it was when recorded: valid while the targets keep that storage (vLLM's reloads do).
 - `StreamedLoad(plan)` loads a version bucket by bucket as the buckets arrive, into the recorded inputs (a
   receiver's kept staging buffers): `bucket(tensors)` SWAPS each copy's source and destination (the staging
   buffer then holds the old values), `undo()` swaps back every bucket done, in reverse, restoring the previous
@@ -41,7 +42,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -160,10 +161,10 @@ class CopyPlan:
             self._copies_of_input[source.index].append(copy)
 
     @staticmethod
-    def record(load: Callable[[], object], tensors: NamedTensors, module: torch.nn.Module
+    def record(load: Callable[[], object], tensors: NamedTensors, targets: Iterable[torch.Tensor]
                ) -> tuple[CopyPlan | None, str | None]:  # fmt: skip
         inputs = [tensor for _, tensor in tensors]
-        storages = {_storage(t) for t in (*module.parameters(), *module.buffers()) if t.numel() and not t.is_meta}
+        storages = {_storage(t) for t in targets if t.numel() and not t.is_meta}
         recorder = _Recorder(inputs, storages)
         with torch.no_grad(), recorder:
             load()

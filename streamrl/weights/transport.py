@@ -21,9 +21,9 @@ being broadcast, alternating between two reusable buffers; a bucket of one large
 tensor's own storage. On GPU, NCCL's stream waits for the packing copies queued before each broadcast, so
 nothing blocks. Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging (invariant 4).
 Receivers stage the whole version and return it only once the publisher committed it, so a broken publish
-never reaches the model (invariant 3). The staging buffers (and the tensor views of them) are kept per plan
-and reused by every later version: no allocation or unpacking per publish, and a consumer that recorded
-where the views lie (`CopyPlan`) meets the same tensors again. So a received version's tensors stay valid
+never reaches the model (invariant 3). The staging buffers (and the tensor views of them) of the latest plan
+are kept and reused by every later version of it: no allocation or unpacking per publish, and a consumer that
+recorded where the views lie (`CopyPlan`) meets the same tensors again. So a received version's tensors stay valid
 only until the next `receive` on the same group.
 
 Pipeline-parallel learners publish every stage at once, each stage's first rank over its own group;
@@ -181,6 +181,8 @@ class WeightGroup:
             plan = self._plans.get(plan_id)
             if plan is None:
                 raise ValueError(f"weights: version {version} uses bucket plan {plan_id}, which this receiver lacks")
+            if plan_id not in self._staging:  # the publisher went back to an older bucket size
+                self._staging = {plan_id: _staging_for(plan, self.device)}
             buffers, staged, firsts = self._staging[plan_id]
             works = [self._broadcast(buffer) for buffer in buffers]
         elif mode == _DISCOVER:
@@ -214,8 +216,19 @@ class WeightGroup:
             raise ValueError(f"weights: version {version} was not committed by the publisher (bucket plan {plan_id} "
                              "no longer matches the model); the running version stays")  # fmt: skip
         self._plans[plan_id] = plan
-        self._staging[plan_id] = (buffers, staged, firsts)
+        self._staging = {plan_id: (buffers, staged, firsts)}  # one version's worth of staging, not one per plan
         return version, list(staged)
+
+
+def _staging_for(plan: tuple[Layout, ...], device: torch.device
+                 ) -> tuple[list[torch.Tensor], NamedTensors, list[int]]:  # fmt: skip
+    buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in plan]
+    staged: NamedTensors = []
+    firsts = []
+    for buffer, layout in zip(buffers, plan, strict=True):
+        firsts.append(len(staged))
+        staged += unpack(buffer, layout)
+    return buffers, staged, firsts
 
 
 def receive_stages(groups: Sequence[WeightGroup]) -> tuple[int, list[tuple[str, torch.Tensor]]]:
