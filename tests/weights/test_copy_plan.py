@@ -51,7 +51,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_replay_equals_the_load_for_new_tensors() -> None:
     recorded, reference = _Fused(), _Fused()
     first = _version(0)
-    plan, reason = CopyPlan.record(lambda: _load(recorded, first), first, recorded)
+    plan, reason = CopyPlan.record(lambda: _load(recorded, first), first, recorded.parameters())
     assert reason is None and plan is not None
     assert len(plan.destinations) == 6
 
@@ -72,7 +72,7 @@ def test_replay_from_kept_staging_buffers_reuses_the_recorded_views() -> None:
     buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
     pack(first, buffer, layout)
     staged = unpack(buffer, layout)
-    plan, _ = CopyPlan.record(lambda: _load(model, staged), staged, model)
+    plan, _ = CopyPlan.record(lambda: _load(model, staged), staged, model.parameters())
     assert plan is not None
 
     second = _version(2)
@@ -88,7 +88,7 @@ def test_replay_from_kept_staging_buffers_reuses_the_recorded_views() -> None:
 def test_other_tensor_lists_do_not_match() -> None:
     model = _Fused()
     first = _version(0)
-    plan, _ = CopyPlan.record(lambda: _load(model, first), first, model)
+    plan, _ = CopyPlan.record(lambda: _load(model, first), first, model.parameters())
     assert plan is not None
     assert not plan.matches(first[:-1])
     assert not plan.matches([(n, t.double()) for n, t in first])
@@ -102,7 +102,7 @@ def test_a_load_that_computes_values_is_refused() -> None:
         _load(model, tensors)
         model.norm.data.copy_(tensors[-1][1] * 2.0)  # not a view of an input: a replay cannot redo it
 
-    plan, reason = CopyPlan.record(scaling_load, tensors, model)
+    plan, reason = CopyPlan.record(scaling_load, tensors, model.parameters())
     assert plan is None and "computed" in reason
 
 
@@ -113,7 +113,7 @@ def test_other_in_place_changes_of_parameters_are_refused() -> None:
         _load(model, tensors)
         model.norm.data.add_(1.0)
 
-    plan, reason = CopyPlan.record(filling_load, tensors, model)
+    plan, reason = CopyPlan.record(filling_load, tensors, model.parameters())
     assert plan is None and "add_" in reason
 
 
@@ -128,7 +128,7 @@ def _two_hop_load(model: _Fused, tensors: Named) -> None:
 def test_copies_through_fresh_parameters_compose() -> None:
     model, reference = _Fused(), _Fused()
     first = _version(0)
-    plan, reason = CopyPlan.record(lambda: _two_hop_load(model, first), first, model)
+    plan, reason = CopyPlan.record(lambda: _two_hop_load(model, first), first, model.parameters())
     assert reason is None and plan is not None and len(plan.destinations) == 6
     second = _version(3)
     plan.replay(second)
@@ -145,7 +145,7 @@ def test_loaded_views_that_never_reach_the_model_are_refused() -> None:
         scratch.copy_(tensors[-1][1])
         _load(model, tensors)
 
-    plan, reason = CopyPlan.record(load_leaving_a_copy_behind, tensors, model)
+    plan, reason = CopyPlan.record(load_leaving_a_copy_behind, tensors, model.parameters())
     assert plan is None and "never reached" in reason
 
 
@@ -156,12 +156,12 @@ def test_values_read_on_the_host_are_refused_constants_are_not() -> None:
         _load(model, tensors)
         model.norm.data[0].fill_(tensors[-1][1][0].item())  # vLLM's loader for one-element parameters
 
-    plan, reason = CopyPlan.record(load_through_item, tensors, model)
+    plan, reason = CopyPlan.record(load_through_item, tensors, model.parameters())
     assert plan is None and "item" in reason
 
     def load_and_reset_a_constant() -> None:
         _load(model, tensors)
         model.norm.data[0].fill_(1.0)
 
-    plan, reason = CopyPlan.record(load_and_reset_a_constant, tensors, model)
+    plan, reason = CopyPlan.record(load_and_reset_a_constant, tensors, model.parameters())
     assert reason is None and plan is not None

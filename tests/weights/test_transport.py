@@ -89,7 +89,7 @@ def _streaming_member(rank: int, world: int, port: int, device: str, out: str, _
 
     results = []
     _, first = group.receive()  # version 5 discovers the layouts; the plan is recorded on its staging
-    plan, _ = CopyPlan.record(lambda: load(first), first, model)
+    plan, _ = CopyPlan.record(lambda: load(first), first, model.parameters())
     results.append(f"5 {model_is(0)} {plan.swap_problem()}")
     for version in (6, 7, 8):
         stream = StreamedLoad(plan)
