@@ -96,11 +96,11 @@ def report(result: dict, shape: str) -> None:
         f"{result['params'] / 1e9:.2f} B params (bf16), {result['active_params'] / 1e9:.2f} B active per token"
     )
     print(
-        f"{'tokens/step':>12}{'mbs':>5}{'step s':>9}{'tok/s':>10}{'TFLOP/s':>9}{'MFU(989)':>10}{'matmul':>8}"
-        f"{'MFU(meas)':>10}{'peak GiB':>9}"
+        f"{'tokens/step':>12}{'mb budget':>10}{'mbs':>5}{'step s':>9}{'tok/s':>10}{'TFLOP/s':>9}{'MFU(989)':>10}"
+        f"{'matmul':>8}{'MFU(meas)':>10}{'peak GiB':>9}"
     )
     print(
-        f"{result['tokens']:>12}{result['microbatches']:>5}{result['step_seconds']:>9.3f}"
+        f"{result['tokens']:>12}{result['tokens_per_microbatch']:>10}{result['microbatches']:>5}{result['step_seconds']:>9.3f}"
         f"{result['tokens_per_s']:>10.0f}{result['model_tflops']:>9.1f}{result['mfu_datasheet']:>10.3f}"
         f"{result['matmul_tflops']:>8.0f}{result['mfu_measured']:>10.3f}{result['peak_memory_gib']:>9.1f}"
     )
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="responses per group")
     parser.add_argument("--mean-len", type=int, default=1500)
     parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--tokens-per-microbatch", type=int, default=16384)
+    parser.add_argument("--tokens-per-microbatch", type=int, default=16384, help="the planner's micro-batch budget")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--profile", action="store_true", help="print one step's top GPU kernels")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/learner_mfu_<shape>.json")
@@ -183,7 +183,8 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
         "layers": args.layers, "params": sum(p.numel() for p in model.parameters()),
         "active_params": cost.linear / 2, "tokens": sum(seq_lens), "step_flops": flops,
-        "sequences": len(seq_lens), "microbatches": len(microbatches), "step_seconds": seconds,
+        "sequences": len(seq_lens), "tokens_per_microbatch": args.tokens_per_microbatch,
+        "microbatches": len(microbatches), "step_seconds": seconds,
         "tokens_per_s": sum(seq_lens) / seconds, "model_tflops": achieved,
         "mfu_datasheet": achieved / DATASHEET_BF16_TFLOPS, "matmul_tflops": matmul, "mfu_measured": achieved / matmul,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,

@@ -1,13 +1,15 @@
 """Packed-sequence attention equals attention on each sequence alone (module, and full GPTModel vs HF per sequence).
 
 Module level: `PackedSequenceAttention` on a packed [T, heads, d] input (GQA) against a plain softmax reference run
-on each sequence separately, and its unpacked path against the same reference. Model level (TP=1; TP=2 is in
-test_packing.py): the log-probs of a packed micro-batch from `plan_step` against HF transformers run on each
-sequence separately, within 1e-5.
+on each sequence separately, and its unpacked path against the same reference; on a GPU (marked `gpu`) its
+variable-length flash kernel in bf16 against the same reference in float64, output and gradients. Model level
+(TP=1; TP=2 is in test_packing.py): the log-probs of a packed micro-batch from `plan_step` against HF transformers
+run on each sequence separately, within 1e-5.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +22,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 from streamrl.batching.microbatch import plan_step
-from streamrl.learner.attention import PackedSequenceAttention
+from streamrl.learner.attention import PackedSequenceAttention, varlen_kernel_applies
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.logprobs import microbatch_logprobs, token_logprobs
 from streamrl.learner.model import build_gpt_model
@@ -34,14 +36,20 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     """Causal softmax attention of one sequence: q [L, heads, d], k/v [L, kv_heads, d] -> [L, heads * d]."""
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(torch.ones(len(q), len(q), dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(len(q), len(q), dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(q), -1)
 
 
-def _attention() -> PackedSequenceAttention:
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
-                               num_query_groups=KV_HEADS, kv_channels=HEAD_DIM, attention_dropout=0.0)  # fmt: skip
+def _attention(heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> PackedSequenceAttention:
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               num_query_groups=kv_heads, kv_channels=head_dim, attention_dropout=0.0)  # fmt: skip
     return PackedSequenceAttention(config, 1, AttnMaskType.causal, "self")
+
+
+def _packed_params(lengths: list[int]) -> PackedSeqParams:
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))  # fmt: skip
 
 
 def _qkv(total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,12 +58,12 @@ def _qkv(total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def test_packed_attention_equals_each_sequence_alone() -> None:
-    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(LENGTHS)]), dtype=torch.int32)
-    q, k, v = _qkv(int(cu_seqlens[-1]))
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                             max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))  # fmt: skip
+    packed = _packed_params(LENGTHS)
+    q, k, v = _qkv(sum(LENGTHS))
+    assert not varlen_kernel_applies(q, v)  # the CPU runs SDPA per sequence
     out = _attention()(q, k, v, None, packed_seq_params=packed)
     assert out.shape == (len(q), HEADS * HEAD_DIM)
+    cu_seqlens = packed.cu_seqlens_q
     for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
         expected = _reference(q[start:end], k[start:end], v[start:end])
         assert (out[start:end] - expected).abs().max().item() < 1e-5
@@ -66,6 +74,27 @@ def test_unpacked_attention_is_causal_per_row() -> None:
     out = _attention()(q, k, v, None)
     for b in range(2):
         assert (out[:, b] - _reference(q[:, b], k[:, b], v[:, b])).abs().max().item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_varlen_kernel_equals_each_sequence_alone_on_gpu() -> None:
+    lengths, heads, kv_heads, head_dim = [300, 1, 77, 1030, 5, 512], 32, 4, 128  # the Qwen3-30B-A3B heads
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), h, head_dim, device="cuda") for h in (heads, kv_heads, kv_heads))
+    leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    assert varlen_kernel_applies(leaves[0], leaves[2])
+    out = _attention(heads, kv_heads, head_dim)(*leaves, None, packed_seq_params=_packed_params(lengths))
+    cotangent = torch.randn_like(out, dtype=torch.float32)
+    grads = torch.autograd.grad((out.float() * cotangent).sum(), leaves)
+    # The reference in float64 on the same (bf16-rounded) inputs, sequence by sequence.
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    expected = torch.cat([_reference(*(t[start:end] for t in exact)) for start, end in itertools.pairwise(bounds)])
+    expected_grads = torch.autograd.grad((expected * cotangent.double()).sum(), exact)
+    for result, reference in zip([out, *grads], [expected, *expected_grads], strict=True):
+        assert torch.isfinite(result).all()
+        assert float((result.double() - reference).norm() / reference.norm()) < 1e-2
 
 
 def _hf_sequence_logprobs(hf_model: torch.nn.Module, tokens: np.ndarray) -> torch.Tensor:

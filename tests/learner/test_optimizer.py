@@ -7,6 +7,8 @@
 - bfloat16 parameters keep float32 master weights and Adam state, and the step writes the master weights, rounded,
   back into the model (the norms' weights stay float32: Megatron's torch norms ignore params_dtype).
 - Selective and full recomputation leave the loss and every gradient unchanged (within 1e-6).
+- On a GPU (marked `gpu`): `cpu_offload` with half the optimizer state on the host (Megatron's
+  `HybridDeviceOptimizer`) takes the same step as the all-GPU optimizer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron.core import parallel_state
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from streamrl.config import OptimizerConfig
 from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
@@ -89,6 +92,17 @@ def test_distributed_optimizer_step_matches_torch_at_dp1_and_dp2(
     run_ranks(_dp2_rank, 2, (tiny_model_dir,), tmp_path, 2 * TIMEOUT_S)
     for rank in range(2):  # each rank updated its shard and gathered the others'
         _assert_close(torch.load(tmp_path / f"step-{rank}.pt"), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(tp1_world: None, tiny_model_dir: Path) -> None:
+    offload = SETTINGS.model_copy(update={"cpu_offload": True, "offload_fraction": 0.5})
+    _assert_close(_megatron_step(tiny_model_dir, offload), _megatron_step(tiny_model_dir))
+    (inner,) = build_training([_model(tiny_model_dir)], offload).optimizer.chained_optimizers
+    hybrid = inner.optimizer
+    assert isinstance(hybrid, HybridDeviceOptimizer) and hybrid.offload_fraction == 0.5
+    assert hybrid.cpu_optimizers and hybrid.gpu_optimizer is not None  # the state is split between host and GPU
 
 
 def test_bf16_params_keep_fp32_master_weights(tp1_world: None, tiny_model_dir: Path) -> None:
