@@ -3,17 +3,13 @@
 Contract: `PackedSequenceAttention` plugs into a Megatron layer spec as `core_attention` (same constructor and
 `forward` signature as `megatron.core.transformer.dot_product_attention.DotProductAttention`) and computes causal
 softmax attention with grouped-query heads through `torch.nn.functional.scaled_dot_product_attention` on CPU and
-GPU alike, except for the packed path's one GPU-only kernel below.
+GPU alike.
 
 - Packed (`packed_seq_params.qkv_format == 'thd'`): query `[T, heads, d]`, key/value `[T, kv_heads, d]` hold
   the concatenated sequences whose boundaries are `packed_seq_params.cu_seqlens_q` (int32[n+1], kept on the
   host so reading the boundaries never waits on the device). Each sequence attends causally to itself only;
   the result is `[T, heads * d]`. RoPE restarting at 0 per sequence is Megatron's part: `SelfAttention`
-  applies it per `cu_seqlens` segment before calling this module. On CUDA in bf16/fp16 (equal q/k/v head dims
-  of at most 256) the whole micro-batch is one variable-length flash-attention call (PyTorch's flash kernel,
-  `aten._flash_attention_forward` with `cu_seqlens`; it reads the K/V heads of each query group without
-  repeating them); elsewhere (the CPU, float32, MLA's unequal head dims) one SDPA call per sequence computes the
-  same function (tests/learner/test_attention.py checks the two against each other on a GPU).
+  applies it per `cu_seqlens` segment before calling this module.
 - Packed under context parallelism (CP group of c > 1 ranks, `streamrl.learner.context_parallel`): each rank holds
   the zigzag shard of every sequence (`T / c` rows) and `cu_seqlens_q` are the padded *global* boundaries (every
   length a multiple of 2c), as Megatron's packed RoPE expects. Keys and values are all-gathered over the CP group
@@ -27,8 +23,6 @@ Dropout is not supported (RL log-probs must be deterministic functions of the we
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -116,18 +110,10 @@ class PackedSequenceAttention(MegatronModule):
         bounds = cu_seqlens.tolist()
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens: must run from 0 to the packed length {query.shape[0]}, got {bounds}")
-        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-        if varlen_kernel_applies(query, value):
-            out = varlen_causal_attention(query, key, value, tuple(bounds), max(lengths), self.softmax_scale)
-            return out.reshape(query.shape[0], -1)
-        return self._per_sequence(query, key, value, lengths)
-
-    def _per_sequence(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int]
-    ) -> torch.Tensor:
         # One SDPA call per sequence: exact, O(sum L^2) memory, and the fused kernels apply on GPU. `split`, not
         # slicing: its backward is one `cat` of the gradients, where each slice's would be a zero-filled full-size
         # tensor, all of them summed.
+        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
         outputs = [
             self._attend(*(t.transpose(0, 1)[None] for t in qkv), is_causal=True)[0].transpose(0, 1)
             for qkv in zip(*(t.split(lengths) for t in (query, key, value)), strict=True)
@@ -167,28 +153,3 @@ class PackedSequenceAttention(MegatronModule):
         mask = {"is_causal": True} if attention_mask is None else {"attn_mask": ~attention_mask}
         out = self._attend(q, k, v, **mask)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-
-
-def varlen_kernel_applies(query: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the packed path runs the variable-length flash kernel (its dtype and head-size limits)."""
-    head_dim = query.shape[-1]
-    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and value.shape[-1] == head_dim
-            and head_dim % 8 == 0 and head_dim <= 256)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=16)
-def _device_bounds(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # Copied to the device once per micro-batch, not once per layer: every layer of a forward (and its backward)
-    # sees the same boundaries, and each host-to-device copy of a pageable tensor stalls the launching thread.
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
-
-
-def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: tuple[int, ...],
-                            longest: int, scale: float | None) -> torch.Tensor:  # fmt: skip
-    """[T, heads, d] causal attention of each packed sequence `bounds[i]:bounds[i+1]` to itself: one flash-attention
-    call (autograd through its own backward kernel), grouped-query K/V `[T, kv_heads, d]` read in place."""
-    cu_seqlens = _device_bounds(bounds, query.device)
-    output, *_ = torch.ops.aten._flash_attention_forward(
-        query, key, value, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, False, scale=scale
-    )
-    return output

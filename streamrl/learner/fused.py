@@ -13,7 +13,8 @@ GPU results can differ from eager bf16 by bf16 rounding, never by more.
 - `rotary(t, freqs)`: Megatron's non-interleaved RoPE `t * cos + rotate_half(t) * sin` with cos/sin of the fp32
   `freqs` rounded to t's dtype first (megatron `_apply_rotary_pos_emb_bshd`, rotary dim == head dim, mscale 1).
 - `swiglu(fc1_out, probs)`: `silu(gate) * up * probs` of a `[N, 2F]` gate|up projection scaled by fp32 per-row
-  routing probabilities, rounded to the compute dtype (`streamrl.learner.experts`).
+  routing probabilities, rounded to the compute dtype (`streamrl.learner.experts`). On the GPU its backward is
+  not the compiled one but `streamrl.learner.swiglu_kernel`'s single Triton kernel (the same derivative, in fp32).
 - `token_cross_entropy(logits, labels)`: float32 `-log softmax(logits)[label]` over the last axis; the backward
   is `(softmax - onehot) * grad` in one pass over the logits, without the fp32 copies of the logits (10 GiB for
   16k tokens of a 152k vocabulary) that Megatron's unfused vocab-parallel cross-entropy keeps (whole vocabulary
@@ -66,10 +67,34 @@ def rotary(t: Tensor, freqs: Tensor) -> Tensor:
     return t * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-@compiled_on_gpu
-def swiglu(fc1_out: Tensor, probs: Tensor) -> Tensor:
+def _swiglu_math(fc1_out: Tensor, probs: Tensor) -> Tensor:
     gate, up = fc1_out.chunk(2, dim=-1)
     return (F.silu(gate) * up * probs.unsqueeze(-1)).to(fc1_out.dtype)
+
+
+_swiglu_forward = compiled_on_gpu(_swiglu_math)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """GPU: the compiled forward, and the backward as one Triton kernel (`streamrl.learner.swiglu_kernel`)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, fc1_out: Tensor, probs: Tensor) -> Tensor:
+        ctx.save_for_backward(fc1_out, probs)
+        return _swiglu_forward(fc1_out, probs)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        from streamrl.learner.swiglu_kernel import swiglu_backward  # Triton: GPU installs only
+
+        fc1_out, probs = ctx.saved_tensors
+        d_fc1, d_probs = swiglu_backward(fc1_out, probs, grad)
+        return d_fc1, d_probs.to(probs.dtype)
+
+
+def swiglu(fc1_out: Tensor, probs: Tensor) -> Tensor:
+    """`silu(gate) * up * probs` (see the module docstring); on CUDA its backward is one Triton kernel."""
+    return _SwiGLU.apply(fc1_out, probs) if fc1_out.is_cuda else _swiglu_math(fc1_out, probs)
 
 
 @compiled_on_gpu
