@@ -3,7 +3,8 @@
 Contract: `PackedSequenceAttention` plugs into a Megatron layer spec as `core_attention` (same constructor and
 `forward` signature as `megatron.core.transformer.dot_product_attention.DotProductAttention`) and computes causal
 softmax attention with grouped-query heads through `torch.nn.functional.scaled_dot_product_attention` on CPU and
-GPU alike.
+GPU alike (one call per sequence: on an H200, PyTorch's variable-length flash kernel over the whole packed row
+and cuDNN's ragged attention both ran slower than cuDNN's attention sequence by sequence).
 
 - Packed (`packed_seq_params.qkv_format == 'thd'`): query `[T, heads, d]`, key/value `[T, kv_heads, d]` hold
   the concatenated sequences whose boundaries are `packed_seq_params.cu_seqlens_q` (int32[n+1], kept on the
@@ -96,13 +97,18 @@ class PackedSequenceAttention(MegatronModule):
         return self._packed(query, key, value, packed_seq_params.cu_seqlens_q)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **mask: object) -> torch.Tensor:
-        # [B, heads, L, d]. K/V heads are repeated over their query groups rather than passed with
-        # enable_gqa: the fused GPU kernels (flash / memory-efficient) do not take it, and the math
-        # fallback materialises the L x L scores (8 GiB for one 8k sequence of a 32-head model).
+        # [B, heads, L, d]. Grouped-query K/V heads are read in place (`enable_gqa`) on the GPU in bf16/fp16 under
+        # a plain causal mask, where cuDNN (Hopper) and flash attention take it: on an H200 that cut the packed
+        # attention's time by 8% against repeating K/V (no copies, no summed gradient copies). Elsewhere they are
+        # repeated over their query groups: the memory-efficient kernel (float32, the context-parallel masks)
+        # does not take enable_gqa, and the math fallback materialises the L x L scores (8 GiB for one 8k
+        # sequence of a 32-head model).
         groups = query.shape[-3] // key.shape[-3]
-        if groups > 1:
+        in_place = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and mask == {"is_causal": True}
+        if groups > 1 and not in_place:
             key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
-        return F.scaled_dot_product_attention(query, key, value, scale=self.softmax_scale, **mask)
+        return F.scaled_dot_product_attention(query, key, value, scale=self.softmax_scale,
+                                              enable_gqa=groups > 1 and in_place, **mask)  # fmt: skip
 
     def _packed(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
