@@ -2,7 +2,7 @@
 
 Run on a GPU machine (megatron-core importable):
     python benchmarks/learner_mfu.py --shape qwen3-8b --layers 16
-    python benchmarks/learner_mfu.py --shape qwen3-30b-a3b --layers 12 --profile
+    python benchmarks/learner_mfu.py --shape qwen3-30b-a3b --layers 12 --tokens-per-microbatch 32768 --profile
 
 It builds a Megatron GPTModel of the `--shape` (bf16 parameters, `--layers` of the real model's 36 / 48) with our
 packed-sequence attention (and, for the MoE shape, our grouped-GEMM experts), makes trajectory groups with
