@@ -49,6 +49,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+# Fresh tensors a recording keeps alive while the loaded values in them have not reached the module yet. vLLM's
+# layerwise reload copies each layer into the module as soon as it is complete, so this stays about one layer.
+_UNRESOLVED_BYTES = 4 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +86,12 @@ class _Recorder(TorchFunctionMode):
         self._order = sorted(range(len(inputs)), key=lambda i: inputs[i].data_ptr())
         self._starts = [inputs[i].data_ptr() for i in self._order]
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (module view, input view)
-        # Input views copied into storage outside the module (a fresh parameter), by that storage: the
-        # destination's (offset, size, stride) and the source view. Only metadata, so a fresh parameter is
-        # freed with its layer as usual.
-        self._staged: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], torch.Tensor]]] = defaultdict(list)
+        # Input views copied into storage outside the module (a fresh parameter), by that storage: (destination
+        # view, source view). Holding the destination keeps its storage from being freed and its address reused
+        # by another fresh tensor while unresolved; resolved entries are dropped, so a fresh parameter is freed
+        # with its layer as usual, and unresolved ones are capped at `_UNRESOLVED_BYTES`.
+        self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self._staged_bytes = 0
         self.problem: str | None = None
 
     def _input_of(self, tensor: torch.Tensor) -> int | None:
@@ -120,17 +125,23 @@ class _Recorder(TorchFunctionMode):
         if self._input_of(source) is not None:
             if into_module:
                 self.copies.append((destination, source))
-            else:
-                self._staged[_storage(destination)].append(
-                    (destination.storage_offset(), tuple(destination.shape), tuple(destination.stride()), source))
+                return
+            if _storage(destination) not in self._staged:
+                self._staged_bytes += destination.untyped_storage().nbytes()
+            self._staged[_storage(destination)].append((destination, source))
+            if self._staged_bytes > _UNRESOLVED_BYTES:
+                self.problem = f"over {_UNRESOLVED_BYTES >> 20} MiB of loaded views have not reached the model"
+                self._staged.clear()
         elif into_module and _storage(source) in self._staged:
             if (source.shape, source.stride(), source.dtype) != (destination.shape, destination.stride(),
                                                                  destination.dtype):  # fmt: skip
                 self.problem = f"a loaded {tuple(source.shape)} tensor reaches the model in another layout"
                 return
             shift = destination.storage_offset() - source.storage_offset()
-            for offset, size, stride, view in self._staged.pop(_storage(source)):
-                self.copies.append((destination.as_strided(size, stride, offset + shift), view))
+            self._staged_bytes -= source.untyped_storage().nbytes()
+            for fresh, view in self._staged.pop(_storage(source)):
+                self.copies.append((destination.as_strided(fresh.shape, fresh.stride(),
+                                                           fresh.storage_offset() + shift), view))  # fmt: skip
         elif into_module:
             # Values the load computed (a scaled tensor, a recomputed buffer) would not be redone by a replay.
             self.problem = f"the load copies a computed {tuple(source.shape)} tensor into the model"
@@ -138,6 +149,7 @@ class _Recorder(TorchFunctionMode):
     def finish(self) -> str | None:
         if self.problem is None and self._staged:
             self.problem = f"{sum(map(len, self._staged.values()))} loaded views never reached the model"
+            self._staged.clear()
         return self.problem
 
 
