@@ -53,6 +53,11 @@ Megatron's DDP and optimizer (`streamrl.learner.optimizer`; DDP itself allocates
 - Everywhere (no TE/apex on either machine, so torch's AdamW): the distributed optimizer's reshardable load
   copies every key of the per-parameter state from the loaded tensors, including torch AdamW's "step", which the
   load does not carry (it sets the common step itself): a KeyError. Only the loaded tensors are copied.
+- Everywhere: the distributed optimizer slices float32 parameters into their shards without detaching them (its
+  float16 branch detaches), so the shards are non-leaf views, and an optimizer constructed on them refuses them
+  ("can't optimize a non-leaf Tensor"): `HybridDeviceOptimizer`, i.e. `optimizer.cpu_offload`, for any model
+  with float32 parameters (our norms' weights stay float32 under bf16). The shards are replaced by detached views
+  of the same storage (same attributes), before the optimizer's groups are built from them.
 
 Mixture-of-experts (`streamrl.learner.moe`: local spec, "alltoall" token dispatcher):
 - Everywhere: without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the
@@ -269,6 +274,26 @@ def _set_main_param_and_optimizer_states(self: Any, model_param: torch.nn.Parame
 _NO_CUDA_STREAM = object()
 
 
+def _leaf_fp32_shards(build: Callable[..., tuple]) -> classmethod:
+    """`DistributedOptimizer._build_model_and_main_param_groups` with float32 shards detached (see docstring)."""
+
+    def wrapper(cls: type, gbuf_ranges: list, param_gbuf_map: dict, opt_group_ranges: list, config: Any) -> tuple:
+        groups = build(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        leaves: dict[int, torch.Tensor] = {}
+        for shards in groups[3]:  # shard_fp32_groups
+            for index, shard in enumerate(shards):
+                if not shard.is_leaf:
+                    leaf = shard.detach()
+                    leaf.__dict__.update(shard.__dict__)  # tensor-parallel attributes, `shared`
+                    leaves[id(shard)] = shards[index] = leaf
+        for group_range in opt_group_ranges:
+            orig_group = group_range["orig_group"]
+            orig_group["params"] = [leaves.get(id(param), param) for param in orig_group["params"]]
+        return groups
+
+    return classmethod(wrapper)
+
+
 def apply_cpu_compat() -> None:
     """Apply the patches described in the module docstring (once; only the "everywhere" ones when CUDA is available)."""
     global _applied
@@ -281,6 +306,8 @@ def apply_cpu_compat() -> None:
         moe_utils.te_general_gemm = None
     if not HAVE_APEX_OR_TE:  # torch's AdamW: its state has a "step" per parameter
         DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    build = DistributedOptimizer._build_model_and_main_param_groups  # bound to the class
+    DistributedOptimizer._build_model_and_main_param_groups = _leaf_fp32_shards(build)
     if torch.cuda.is_available():
         _applied = True
         return

@@ -8,8 +8,8 @@
   back into the model (the norms' weights stay float32: Megatron's torch norms ignore params_dtype).
 - Selective and full recomputation leave the loss and every gradient unchanged (within 1e-6).
 - On a GPU (marked `gpu`): `cpu_offload` with half the optimizer state on the host (Megatron's
-  `HybridDeviceOptimizer`) takes the same step as the all-GPU optimizer (xfail: megatron-core 0.16.1 cannot
-  build that optimizer for our models, see the test).
+  `HybridDeviceOptimizer`) takes the same step as the all-GPU optimizer (it needs `cpu_compat`'s detached
+  float32 shards: megatron-core 0.16.1 hands that optimizer non-leaf views).
 """
 
 from __future__ import annotations
@@ -107,9 +107,6 @@ def _bf16_step(model_dir: Path, settings: OptimizerConfig) -> tuple[float, dict[
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(raises=ValueError, strict=True, reason="megatron-core 0.16.1: HybridDeviceOptimizer rejects the "
-                   "distributed optimizer's shards of float32 parameters (the norms' weights), which are non-leaf "
-                   "views (`model_param.view(-1)[...]` without detach): \"can't optimize a non-leaf Tensor\"")
 def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(tp1_world: None, tiny_model_dir: Path) -> None:
     offload = SETTINGS.model_copy(update={"cpu_offload": True, "offload_fraction": 0.5})
     norm, params, training = _bf16_step(tiny_model_dir, offload)
