@@ -71,7 +71,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _write_model(Path(tmp) / "model", args.layers)
-        engine = VLLMEngine(model_dir, kv_cache_bytes=2 << 30, max_model_len=1024, dtype="bfloat16")
+        engine = VLLMEngine(model_dir, kv_cache_bytes=2 << 30, max_model_len=512, dtype="bfloat16")
         versions = [_version(model_dir, seed) for seed in (1, 2)]
         nbytes = sum(t.numel() * t.element_size() for _, t in versions[0])
         prompt, response = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]
@@ -93,26 +93,38 @@ def main() -> None:
                 engine.load_bucket(bucket)
             assert engine.end_streamed_load(version)
 
-        seconds, first = _timed(lambda: engine.load_weights(1, versions[0]))
+        # The plan is recorded on the first version's tensors, which play the receiver's kept staging buffers:
+        # each later version is first copied into them (untimed, as a receive would fill them).
+        staging = versions[0]
+        contents = [[t.clone() for _, t in versions[0]], [t for _, t in versions[1]]]
+
+        def stage(k: int) -> list[tuple[str, torch.Tensor]]:
+            torch._foreach_copy_([t for _, t in staging], contents[k])
+            return staging
+
+        seconds, first = _timed(lambda: engine.load_weights(1, staging))
         print("first version:", first)
         timings["first (layerwise + record)"] = [seconds]
         for trial in range(args.repeats):
-            # Alternate the versions so that every timed load changes the weights.
-            timings.setdefault("layerwise", []).append(_timed(lambda: layerwise(versions[1]))[0])
-            seconds, stats = _timed(lambda trial=trial: engine.load_weights(10 + trial, versions[0]))
+            # Alternate the contents so that every timed load changes the weights.
+            named = stage(1)
+            timings.setdefault("layerwise", []).append(_timed(lambda named=named: layerwise(named))[0])
+            named = stage(0)
+            seconds, stats = _timed(lambda named=named, trial=trial: engine.load_weights(10 + trial, named))
             assert stats["path"] == "planned", stats
             timings.setdefault("planned", []).append(seconds)
-            seconds, _ = _timed(lambda trial=trial: streamed(versions[1], 100 + trial))
+            named = stage(1)
+            seconds, _ = _timed(lambda named=named, trial=trial: streamed(named, 100 + trial))
             timings.setdefault("streamed", []).append(seconds)
-            engine.load_weights(200 + trial, versions[0])
+            engine.load_weights(200 + trial, stage(0))
         # One version through each path: identical log-probs.
-        layerwise(versions[1])
+        layerwise(stage(1))
         after_layerwise = engine.score(prompt, response)
-        engine.load_weights(5000, versions[0])
-        engine.load_weights(5001, versions[1])
+        engine.load_weights(5000, stage(0))
+        engine.load_weights(5001, stage(1))
         after_planned = engine.score(prompt, response)
-        engine.load_weights(5002, versions[0])
-        streamed(versions[1], 5003)
+        engine.load_weights(5002, stage(0))
+        streamed(stage(1), 5003)
         after_streamed = engine.score(prompt, response)
         exact = after_layerwise == after_planned == after_streamed
         parity = max(abs(a - b) for a, b in zip(after_layerwise + after_layerwise, after_planned + after_streamed,

@@ -66,20 +66,19 @@ def hf_config(name: str) -> dict:
             "hidden_act": "silu", **MODELS[name]}  # fmt: skip
 
 
-def budgets(args: argparse.Namespace, trial: int) -> list[int]:
-    """Bucket budgets of one trial: the planned ones, the largest twice more (streamed: an untimed publish that
-    re-stages that plan, then the timed one), then one never used before (its layouts must travel)."""
+def plan(args: argparse.Namespace, trial: int) -> list[tuple[str, int]]:
+    """(label, bucket budget) of every publish of a trial, in order. A timed publish at a planned budget follows an
+    untimed one at the same budget (`_PRIME`), as in a run that always publishes at one size: the receiver's kept
+    staging is then that plan's. "first" uses a budget never used before, so its layouts must travel."""
     largest = max(args.bucket_mb) << 20
-    return [mb << 20 for mb in args.bucket_mb] + [largest, largest, largest - 16 * (trial + 1)]
+    publishes = []
+    for mb in args.bucket_mb:
+        publishes += [(_PRIME, mb << 20), (f"bucketed {mb} MiB", mb << 20)]
+    publishes += [(_PRIME, largest), (f"streamed {max(args.bucket_mb)} MiB", largest)]
+    return [*publishes, (f"first {max(args.bucket_mb)} MiB", largest - 16 * (trial + 1))]
 
 
-def labels(args: argparse.Namespace) -> list[str]:
-    largest = max(args.bucket_mb)
-    return [f"bucketed {mb} MiB" for mb in args.bucket_mb] + [_PRIME, f"streamed {largest} MiB",
-                                                              f"first {largest} MiB"]  # fmt: skip
-
-
-_PRIME = "prime streamed"  # receiver label of the untimed publish before a streamed one
+_PRIME = "prime"  # an untimed publish that re-stages its plan on the receiver (and there records a copy plan)
 
 
 def moe_tensors(layers: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -136,7 +135,7 @@ def _learner(args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -
             group.group.broadcast([ceiling[:piece]], options)
             sent += piece
         _barrier(group.group, device)
-        for budget in budgets(args, trial):
+        for _, budget in plan(args, trial):
             _barrier(group.group, device)
             group.publish(trial, hf_stream(), budget)
             _barrier(group.group, device)
@@ -191,12 +190,12 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
         _barrier(group.group, device)
         if trial:
             timings.setdefault("ceiling", []).append(time.perf_counter() - start)
-        plan = None
-        for label in labels(args):
+        copy_plan = None
+        for label, _ in plan(args, trial):
             _barrier(group.group, device)
             start = time.perf_counter()
             if label.startswith("streamed"):
-                stream = StreamedLoad(plan)
+                stream = StreamedLoad(copy_plan)
                 _, tensors = group.receive(on_bucket=stream.bucket)  # each bucket swapped in as it arrives
                 assert stream.broken is None, stream.broken
             else:
@@ -206,9 +205,9 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
             for name, tensor in tensors:
                 destination.setdefault(name, torch.empty_like(tensor))
             if label == _PRIME:  # the staging this plan's next publish reuses: record the load from it
-                plan, problem = CopyPlan.record(functools.partial(_load_each, destination, tensors), tensors,
-                                                destination.values())  # fmt: skip
-                assert plan is not None and plan.swap_problem() is None, problem
+                copy_plan, problem = CopyPlan.record(functools.partial(_load_each, destination, tensors), tensors,
+                                                     destination.values())  # fmt: skip
+                assert copy_plan is not None and copy_plan.swap_problem() is None, problem
             elif not label.startswith("streamed"):
                 _load(destination, tensors)
             torch.cuda.synchronize(device)

@@ -74,6 +74,9 @@ class WeightGroup:
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
+            # Transfers share the GPU with the engine's decoding and a streamed load's swaps: a high-priority
+            # stream lets NCCL's blocks in as soon as SMs free up instead of queueing behind those kernels.
+            options.is_high_priority_stream = True
             self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -181,10 +184,17 @@ class WeightGroup:
             plan = self._plans.get(plan_id)
             if plan is None:
                 raise ValueError(f"weights: version {version} uses bucket plan {plan_id}, which this receiver lacks")
-            if plan_id not in self._staging:  # the publisher went back to an older bucket size
-                self._staging = {plan_id: _staging_for(plan, self.device)}
-            buffers, staged, firsts = self._staging[plan_id]
-            works = [self._broadcast(buffer) for buffer in buffers]
+            if plan_id in self._staging:
+                buffers, staged, firsts = self._staging[plan_id]
+                works = [self._broadcast(buffer) for buffer in buffers]
+            else:  # the publisher went back to an older bucket size: stage it anew, views made while in flight
+                self._staging = {}
+                buffers, works, staged, firsts = [], [], [], []
+                for layout in plan:
+                    buffers.append(torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device))
+                    works.append(self._broadcast(buffers[-1]))
+                    firsts.append(len(staged))
+                    staged += unpack(buffers[-1], layout)
         elif mode == _DISCOVER:
             discovered, buffers, works, staged, firsts = [], [], [], [], []
             while size := self._receive_ints(1)[0]:
@@ -218,17 +228,6 @@ class WeightGroup:
         self._plans[plan_id] = plan
         self._staging = {plan_id: (buffers, staged, firsts)}  # one version's worth of staging, not one per plan
         return version, list(staged)
-
-
-def _staging_for(plan: tuple[Layout, ...], device: torch.device
-                 ) -> tuple[list[torch.Tensor], NamedTensors, list[int]]:  # fmt: skip
-    buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in plan]
-    staged: NamedTensors = []
-    firsts = []
-    for buffer, layout in zip(buffers, plan, strict=True):
-        firsts.append(len(staged))
-        staged += unpack(buffer, layout)
-    return buffers, staged, firsts
 
 
 def receive_stages(groups: Sequence[WeightGroup]) -> tuple[int, list[tuple[str, torch.Tensor]]]:

