@@ -6,6 +6,8 @@ Delivery contract (the Lua scripts are in `scripts.py`):
   group id (a script checks and sets a marker in the same atomic step as the XADD), so a push
   retried after a lost reply returns the entry it already added instead of adding a second one.
   One script call appends a batch of groups (up to `PUSH_CALL_MAX_BYTES`): one round trip a push.
+  After a push that filled the backlog, the next one first asks (XLEN, and the markers) whether there is
+  room, rather than encode and send payloads the script would refuse.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`, looked for at most every quarter of it), then reads new ones. Entries
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
@@ -16,15 +18,21 @@ Delivery contract (the Lua scripts are in `scripts.py`):
   tool, own pending, reclaimed) are looked up with one more round trip.
 - `TrajectoryConsumer.commit` runs after the optimizer step: in one atomic script call it acks and
   deletes the entries and records their group ids in the trained set, so a redelivery is recognised.
+  When the stream held more than this consumer has in hand, the same round trip reads the next
+  read's worth of new entries ahead (with their check), and the next `read` starts with them: a busy
+  learner's step costs one round trip. Entries read ahead are pending like any read entry; a `read`
+  after a pause of half `reclaim_idle_ms` lets them go to the reclaim pass (another consumer may
+  already have them) instead of handing them out.
 
 Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
 for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
 may run twice; each is harmless when it does: a push finds its marker; commit and drop (SADD, XACK,
 XDEL, HDEL) are idempotent; a second dead letter only duplicates a diagnostic record. A read whose
 reply was lost leaves its entries pending under this consumer: they are not lost, the reclaim pass
-hands them back once they have been idle `reclaim_idle_ms`. A duplicate entry that reaches the
-stream anyway (written by another tool, or re-pushed after its marker expired) is skipped by the
-trained-set and in-hand checks.
+hands them back once they have been idle `reclaim_idle_ms` (so do the entries a commit read ahead
+when its reply was lost or its read-ahead failed). A duplicate entry that reaches the stream anyway
+(written by another tool, or re-pushed after its marker expired) is skipped by the trained-set and
+in-hand checks.
 """
 
 from __future__ import annotations
