@@ -262,17 +262,19 @@ class TrajectoryConsumer:
                 self._reclaim_due = time.monotonic() + self.reclaim_idle_ms / 4000
         checked: dict[str, bool] = {}  # entry id -> trained, for the entries the check script answered for
         if len(entries) < count and self._ahead:
-            taken, self._ahead = self._ahead[: count - len(entries)], self._ahead[count - len(entries) :]
-            entries += taken
-            checked = {raw_id.decode(): self._ahead_checked.pop(raw_id.decode()) for raw_id, _ in taken
-                       if raw_id.decode() in self._ahead_checked}  # fmt: skip
+            split = count - len(entries)
+            entries += self._ahead[:split]
+            self._ahead = self._ahead[split:]
+            checked = self._ahead_checked  # answers for every entry read ahead; `_decode` looks up the ones taken
+            if not self._ahead:
+                self._ahead_checked = {}
         if len(entries) < count and not self._ahead:  # entries read ahead come before any new one
             self._note_seen(entries)
             pipe = self.client.pipeline(transaction=False)
             self._queue_new_read(pipe, count - len(entries), block_ms)
             new, new_checked = self._new_entries(*pipe.execute())
             entries += new
-            checked |= new_checked
+            checked = checked | new_checked
         self._note_seen(entries)
         return self._decode(entries, checked)
 
@@ -376,7 +378,9 @@ class TrajectoryConsumer:
         the next `read`'s worth of new entries ahead (not blocking): a busy learner's step then costs one round trip.
         """
         if consumed:
-            read_ahead = self._read_size if self._more_likely and not self._ahead else 0
+            # Not during the pass over own pending entries after a restart: it would meet the entries read ahead.
+            idle = self._more_likely and not self._ahead and self._own_pending_from is None
+            read_ahead = self._read_size if idle else 0
             length = self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed], read_ahead)
             self._release(consumed)
             # The stream holds pending (this consumer's and others') and unread entries: a guess, refreshed each step.

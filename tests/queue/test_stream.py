@@ -92,6 +92,19 @@ def test_a_consumer_that_read_a_full_batch_before_restarting_gets_all_its_pendin
     assert [[c.group.group_id for c in b] for b in batches] == [["g0", "g1"], ["g2", "g3"], ["g4"]]
 
 
+def test_a_restarted_consumer_reads_ahead_only_once_its_own_pending_are_handed_out(redis_server, queue_keys) -> None:
+    _producer(redis_server, queue_keys).push([make_group([2], seed=i) for i in range(8)])
+    assert len(_consumer(redis_server, queue_keys, "learner-0").read(5, 100)) == 5
+    restarted = _consumer(redis_server, queue_keys, "learner-0")
+    delivered = []
+    for _ in range(5):
+        batch = restarted.read(2, 10)
+        delivered += [c.group.group_id for c in batch]
+        restarted.commit(batch)
+    assert delivered == [f"g{i}" for i in range(8)] and restarted.backlog() == 0
+    assert restarted.duplicates_skipped == 0  # no entry came both from the pending pass and from a read-ahead
+
+
 def test_malformed_entry_goes_to_dead_letters_and_consumer_continues(redis_server, queue_keys) -> None:
     client = connect(redis_server.url, redis_server.password)
     consumer = _consumer(redis_server, queue_keys, "a")
