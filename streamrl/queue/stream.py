@@ -271,7 +271,8 @@ class TrajectoryConsumer:
         if len(entries) < count and not self._ahead:  # entries read ahead come before any new one
             self._note_seen(entries)
             pipe = self.client.pipeline(transaction=False)
-            self._queue_new_read(pipe, count - len(entries), block_ms)
+            # Wait for new entries only with nothing else to hand out: the caller asked for up to `count`.
+            self._queue_new_read(pipe, count - len(entries), None if entries else block_ms)
             new, new_checked = self._new_entries(*pipe.execute())
             entries += new
             checked = checked | new_checked

@@ -245,3 +245,15 @@ def test_a_producer_at_a_full_backlog_sends_no_payloads_until_there_is_room(redi
     assert _calls(producer.client, "eval") == appends  # neither sent a payload
     consumer.commit(consumer.read(2, 100))
     assert list(producer.try_push(groups[2:])) == ["g2"]
+
+
+def test_a_read_with_groups_to_hand_out_does_not_wait_for_more(redis_server, queue_keys) -> None:
+    producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "learner-0")
+    producer.push([make_group([2], seed=i) for i in range(3)])
+    consumer.commit(consumer.read(2, 100))  # reads g2 ahead
+    start = time.monotonic()
+    assert [c.group.group_id for c in consumer.read(2, 5000)] == ["g2"]
+    producer.push([make_group([2], seed=3)])
+    consumer.read(1, 100)  # g3, then the consumer stops without committing; it restarts
+    assert [c.group.group_id for c in _consumer(redis_server, queue_keys, "learner-0").read(2, 5000)] == ["g2", "g3"]
+    assert time.monotonic() - start < 2.5  # neither read waited its 5 s for a new entry
