@@ -8,7 +8,8 @@ tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and c
 in this process, on an embedded server (appendfsync everysec, the default). streamrl mode:
 `TrajectoryProducer.push` (encode + one idempotent, bounded append script call per 8 groups) and
 `TrajectoryConsumer.read` + `commit` (XREADGROUP with the trained-set check script in the same round
-trip, decode, then one atomic script call for XACK/XDEL/SADD). Raw mode: pre-encoded bytes of the
+trip, decode, then one atomic script call for XACK/XDEL/SADD, which under load also reads the next 8
+groups ahead in its round trip). Raw mode: pre-encoded bytes of the
 same sizes, XADD pipelined 8 per round trip, XREADGROUP count 8 then XACK+XDEL pipelined. Both read
 8 groups a round trip through the same client settings. The modes alternate run by run and each
 number is the median of the repeats. Also measured: the queue time of one learner step of the tiny
