@@ -1,14 +1,15 @@
 """Queue throughput: streamrl's producer/consumer against a raw redis-py loop moving the same bytes.
 
-Usage: `python benchmarks/queue_throughput.py [--quick]`. Prints a table and writes
-`benchmarks/results/queue_throughput.json`.
+Usage: `python benchmarks/queue_throughput.py [--quick] [--tokens 1024 ...] [--producers 1 ...] [--repeats N]
+[--out PATH]`. Prints a table and writes `benchmarks/results/queue_throughput.json` (or `--out`).
 
 Groups of 8 responses x 1k/4k/16k tokens (int32 ids, float32 logprobs, int32 versions, 256 prompt
 tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and consumed by one reader
 in this process, on an embedded server (appendfsync everysec, the default). streamrl mode:
 `TrajectoryProducer.push` (encode + one idempotent, bounded append script call per 8 groups) and
 `TrajectoryConsumer.read` + `commit` (XREADGROUP with the trained-set check script in the same round
-trip, decode, then one atomic script call for XACK/XDEL/SADD). Raw mode: pre-encoded bytes of the
+trip, decode, then one atomic script call for XACK/XDEL/SADD, which under load also reads the next 8
+groups ahead in its round trip). Raw mode: pre-encoded bytes of the
 same sizes, XADD pipelined 8 per round trip, XREADGROUP count 8 then XACK+XDEL pipelined. Both read
 8 groups a round trip through the same client settings. The modes alternate run by run and each
 number is the median of the repeats. Also measured: the queue time of one learner step of the tiny
@@ -179,15 +180,20 @@ def machine() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer bytes and repeats (a smoke run, ~30 s)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="tokens per response (default: all)")
+    parser.add_argument("--producers", type=int, nargs="+", default=PRODUCERS, help="producer counts (default: all)")
+    parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 5, --quick 1)")
+    parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
     args = parser.parse_args()
     repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (5, 128, 300)
+    repeats = args.repeats or repeats
     mp = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="queue-bench-") as data_dir, EmbeddedRedis(Path(data_dir)) as server:
         client = connect(server.url, server.password)
         client.config_set("auto-aof-rewrite-percentage", 0)  # rewrites happen between runs, not inside one
         ready, go = mp.Queue(), mp.Event()
         workers = []
-        for _ in range(max(PRODUCERS)):
+        for _ in range(max(args.producers)):
             jobs = mp.Queue()
             process = mp.Process(target=producer_main, args=(server.url, server.password, jobs, ready, go))
             process.start()
@@ -195,9 +201,9 @@ def main() -> None:
         ctx = {"client": client, "workers": workers, "ready": ready, "go": go}
         rows = []
         try:
-            for tokens in TOKENS:
+            for tokens in args.tokens:
                 group_bytes = len(encode_group(make_groups(tokens, 1, "size")[0]))
-                for producers in PRODUCERS:
+                for producers in args.producers:
                     per_producer = max(BATCH, round(mb_per_run * 1e6 / group_bytes / producers / BATCH) * BATCH)
                     times: dict[str, list[float]] = {"raw": [], "streamrl": []}
                     for run in range(repeats):
@@ -221,7 +227,7 @@ def main() -> None:
     tiny = {"steps": tiny_steps, "median_ms": 1e3 * statistics.median(step_s),
             "p99_ms": 1e3 * float(np.percentile(step_s, 99)), "learner_step_s": LEARNER_STEP_S}  # fmt: skip
     tiny["fraction_of_step"] = tiny["median_ms"] / 1e3 / LEARNER_STEP_S
-    codec = {str(t): codec_mb_s(t) for t in TOKENS}
+    codec = {str(t): codec_mb_s(t) for t in args.tokens}
     print(f"tiny config step: read+commit median {tiny['median_ms']:.2f} ms, p99 {tiny['p99_ms']:.2f} ms "
           f"({100 * tiny['fraction_of_step']:.2f}% of a {LEARNER_STEP_S} s learner step)")  # fmt: skip
     print("codec (one process):", json.dumps(codec))
@@ -229,9 +235,9 @@ def main() -> None:
               "command": " ".join(["python", "benchmarks/queue_throughput.py", *sys.argv[1:]]),
               "appendfsync": "everysec", "repeats": repeats, "rows": rows, "tiny_step": tiny,
               "codec": codec}  # fmt: skip
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1))
-    print(f"wrote {OUT}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
 
 
 def format_row(row: dict) -> str:

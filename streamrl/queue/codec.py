@@ -14,7 +14,7 @@ into the output: moving a group costs about one memcpy of it at each end.
 
 from __future__ import annotations
 
-import itertools
+import math
 from typing import Any
 
 import msgpack
@@ -119,15 +119,18 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
     ids = np.frombuffer(data, _I32, total, start)
     logprobs = np.frombuffer(data, _F32, total, start + 4 * total)
     versions = np.frombuffer(data, _I32, total, start + 8 * total)
-    rewards = _array(msg, "rew", _F32, len(lens))
+    rewards = _array(msg, "rew", _F32, len(lens)).tolist()
     finish = _field(msg, "fin", list)
     if len(finish) != len(lens) or not all(isinstance(f, str) and f in FINISH_REASONS for f in finish):
         raise DecodeError(f"fin: expected {len(lens)} values from {sorted(FINISH_REASONS)}")
-    if not np.isfinite(rewards).all() or not np.isfinite(logprobs).all():
+    if not all(map(math.isfinite, rewards)) or not np.isfinite(logprobs).all():
         raise DecodeError("rew/lp: non-finite value")
-    ends = list(itertools.accumulate(lens))
-    trajectories = tuple(
-        Trajectory(ids[end - n : end], logprobs[end - n : end], versions[end - n : end], reward, reason)
-        for n, end, reward, reason in zip(lens, ends, rewards.tolist(), finish, strict=True)
-    )
-    return TrajectoryGroup(group_id, engine_id, _array(msg, "prompt", _I32), trajectories)
+    # Each response is the same slice of all three arrays, so its lengths agree: skip the constructor's check.
+    trajectories = []
+    end = 0
+    for n, reward, reason in zip(lens, rewards, finish, strict=True):
+        begin, end = end, end + n
+        trajectories.append(Trajectory.unchecked(ids[begin:end], logprobs[begin:end], versions[begin:end], reward,
+                                                 reason))  # fmt: skip
+    return TrajectoryGroup(group_id, engine_id, _array(msg, "prompt", _I32), tuple(trajectories))
+

@@ -13,7 +13,8 @@ it was appended as).
 # KEYS: the stream, entry_groups, then the push marker of each group. ARGV: marker TTL in ms, max backlog, then the
 # id of each group, then its wire bytes. Appends the groups in order while the backlog has room; a group whose marker
 # exists was pushed before and keeps its entry. Returns one reply per group: its entry id, or 0 if the backlog was
-# full. Nothing else appends while the script runs, so counting the room down from one XLEN keeps the bound exact.
+# full; then the room left. Nothing else appends while the script runs, so counting the room down from one XLEN keeps
+# the bound exact.
 PUSH = """
 local n = #KEYS - 2
 local room = tonumber(ARGV[2]) - redis.call('XLEN', KEYS[1])
@@ -28,6 +29,7 @@ for i = 1, n do
   end
   replies[i] = entry_id or 0
 end
+replies[n + 1] = room
 return replies
 """
 
@@ -52,7 +54,7 @@ return replies
 # KEYS: the stream, the trained set, entry_groups. ARGV: consumer group, number n of entries, their n ids, then the
 # group ids to record as trained (none when dropping). Acks and deletes the entries (and their entry_groups fields)
 # and records the group ids in one step: a group is never acked without being recorded. At most 1000 ids a command
-# (Lua's unpack is limited by its stack).
+# (Lua's unpack is limited by its stack). Returns the stream's length after (a hint for the consumer's read-ahead).
 RETIRE = """
 local n = tonumber(ARGV[2])
 for first = 3, n + 2, 1000 do
@@ -64,5 +66,5 @@ end
 for first = n + 3, #ARGV, 1000 do
   redis.call('SADD', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
 end
-return n
+return redis.call('XLEN', KEYS[1])
 """

@@ -6,6 +6,8 @@ Delivery contract (the Lua scripts are in `scripts.py`):
   group id (a script checks and sets a marker in the same atomic step as the XADD), so a push
   retried after a lost reply returns the entry it already added instead of adding a second one.
   One script call appends a batch of groups (up to `PUSH_CALL_MAX_BYTES`): one round trip a push.
+  After a push that filled the backlog, the next one first asks (XLEN, and the markers) whether there is
+  room, rather than encode and send payloads the script would refuse.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`, looked for at most every quarter of it), then reads new ones. Entries
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
@@ -16,20 +18,25 @@ Delivery contract (the Lua scripts are in `scripts.py`):
   tool, own pending, reclaimed) are looked up with one more round trip.
 - `TrajectoryConsumer.commit` runs after the optimizer step: in one atomic script call it acks and
   deletes the entries and records their group ids in the trained set, so a redelivery is recognised.
+  When the stream held more than this consumer has in hand, the same round trip reads the next
+  read's worth of new entries ahead (with their check), and the next `read` starts with them: a busy
+  learner's step costs one round trip. Entries read ahead are pending like any read entry; a `read`
+  after a pause of half `reclaim_idle_ms` lets them go to the reclaim pass (another consumer may
+  already have them) instead of handing them out.
 
 Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
 for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
 may run twice; each is harmless when it does: a push finds its marker; commit and drop (SADD, XACK,
 XDEL, HDEL) are idempotent; a second dead letter only duplicates a diagnostic record. A read whose
 reply was lost leaves its entries pending under this consumer: they are not lost, the reclaim pass
-hands them back once they have been idle `reclaim_idle_ms`. A duplicate entry that reaches the
-stream anyway (written by another tool, or re-pushed after its marker expired) is skipped by the
-trained-set and in-hand checks.
+hands them back once they have been idle `reclaim_idle_ms` (so do the entries a commit read ahead
+when its reply was lost or its read-ahead failed). A duplicate entry that reaches the stream anyway
+(written by another tool, or re-pushed after its marker expired) is skipped by the trained-set and
+in-hand checks.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -144,20 +151,36 @@ class TrajectoryProducer:
         self.client, self.keys = client, keys
         self.max_backlog, self.wait_timeout_s = max_backlog, wait_timeout_s
         self.backpressure_wait_s = 0.0  # cumulative time spent waiting on the backlog (a metric)
+        self._full = False  # the last append left no room: look before sending payloads again
 
     def try_push(self, groups: list[TrajectoryGroup]) -> dict[str, str]:
         """One round trip, no waiting: append the groups that fit under the backlog bound.
 
         Returns {group_id: entry_id} of the groups now in the stream (a group pushed before keeps its entry).
+        After an append that filled the backlog, a small round trip first asks whether there is room (and for the
+        groups pushed before) rather than encode and send payloads that the script would refuse.
         """
+        if self._full:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xlen(self.keys.stream)
+            pipe.mget([self.keys.pushed(group.group_id) for group in groups])
+            length, markers = pipe.execute()
+            if length >= self.max_backlog:
+                pushed = zip(groups, markers, strict=True)
+                return {group.group_id: marker.decode() for group, marker in pushed if marker}
+            self._full = False
         pipe = self.client.pipeline(transaction=False)
         for chunk in _chunks([(group.group_id, encode_group(group)) for group in groups], PUSH_CALL_MAX_BYTES):
             group_ids = [group_id for group_id, _ in chunk]
             pipe.eval(scripts.PUSH, 2 + len(chunk), self.keys.stream, self.keys.entry_groups,
                       *[self.keys.pushed(group_id) for group_id in group_ids], PUSH_MARKER_TTL_MS, self.max_backlog,
                       *group_ids, *[payload for _, payload in chunk])  # fmt: skip
-        replies = itertools.chain.from_iterable(pipe.execute())
-        return {group.group_id: reply.decode() for group, reply in zip(groups, replies, strict=True) if reply}
+        entry_ids: list[bytes | int] = []
+        for *chunk_entry_ids, room in pipe.execute():
+            entry_ids += chunk_entry_ids
+            self._full = room <= 0
+        return {group.group_id: entry_id.decode() for group, entry_id in zip(groups, entry_ids, strict=True)
+                if entry_id}  # fmt: skip
 
     def push(self, groups: list[TrajectoryGroup]) -> list[str]:
         """Append the groups, waiting (bounded) for room; returns their entry ids, in order."""
@@ -179,6 +202,7 @@ class TrajectoryProducer:
                 )
             time.sleep(0.05)
             self.backpressure_wait_s += 0.05
+        self._full = False  # room now: the next try_push need not look first
 
 
 class TrajectoryConsumer:
@@ -196,6 +220,13 @@ class TrajectoryConsumer:
         self._in_hand: dict[str, str] = {}
         self._reclaim_due = 0.0  # monotonic time of the next reclaim pass
         self._newest_seen = (0, 0)  # largest entry id this consumer has been handed, as (ms, seq)
+        # Read ahead by `commit` (new entries, pending under this consumer, not yet decoded nor handed out), with the
+        # check script's answers for them and when they were read; the next `read` starts with them.
+        self._ahead: list[tuple[bytes, dict[bytes, bytes]]] = []
+        self._ahead_checked: dict[str, bool] = {}
+        self._ahead_at = 0.0
+        self._read_size = 0  # `count` of the last read: how many a commit reads ahead
+        self._more_likely = True  # the last commit left entries in the stream beyond the ones this consumer holds
         try:
             client.xgroup_create(keys.stream, CONSUMER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -204,6 +235,7 @@ class TrajectoryConsumer:
 
     def read(self, count: int, block_ms: int) -> list[ConsumedGroup]:
         """Up to `count` groups: own pending first (after a restart), then reclaimed, then new entries."""
+        self._read_size = count
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
         if self._own_pending_from is not None:
             # Entries this consumer name read before it restarted and never committed, `count` at a time.
@@ -212,33 +244,58 @@ class TrajectoryConsumer:
             own = own[0][1] if own else []
             entries += [e for e in own if e[1]]  # an entry deleted while pending comes back without fields
             self._own_pending_from = own[-1][0].decode() if len(own) == count else None
+        if self._ahead and time.monotonic() - self._ahead_at > self.reclaim_idle_ms / 2000:
+            # Read ahead before a long pause (a checkpoint?): they may soon be reclaimed by another consumer. Leave
+            # them pending: once idle, the reclaim pass hands them to whoever asks first, this consumer included.
+            self._ahead, self._ahead_checked = [], {}
         if len(entries) < count and time.monotonic() >= self._reclaim_due:
             wanted = count - len(entries)
             reply = self.client.xautoclaim(
                 self.keys.stream, CONSUMER_GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=wanted
             )
+            ahead = {raw_id for raw_id, _ in self._ahead}
             # Redis 6.2 answers [cursor, entries], 7+ adds deleted ids; deleted entries come back empty.
-            entries += [e for e in reply[1] if e and e[1] and e[0].decode() not in self._in_hand]
+            entries += [e for e in reply[1] if e and e[1] and e[0].decode() not in self._in_hand and e[0] not in ahead]
             if len(reply[1]) < wanted:
                 # Nothing else is idle long enough: the next pass can wait a quarter of the idle time, so an entry
                 # is reclaimed after 1 to 1.25 x reclaim_idle_ms and a busy learner saves a round trip per read.
                 self._reclaim_due = time.monotonic() + self.reclaim_idle_ms / 4000
         checked: dict[str, bool] = {}  # entry id -> trained, for the entries the check script answered for
-        if len(entries) < count:
+        if len(entries) < count and self._ahead:
+            split = count - len(entries)
+            entries += self._ahead[:split]
+            self._ahead = self._ahead[split:]
+            checked = self._ahead_checked  # answers for every entry read ahead; `_decode` looks up the ones taken
+            if not self._ahead:
+                self._ahead_checked = {}
+        if len(entries) < count and not self._ahead:  # entries read ahead come before any new one
             self._note_seen(entries)
-            wanted = count - len(entries)
             pipe = self.client.pipeline(transaction=False)
-            pipe.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: ">"}, count=wanted, block=block_ms)
-            # New entries have larger ids than any this consumer was handed before: the check script finds them in
-            # its pending list and answers for their groups in this same round trip.
-            ms, seq = self._newest_seen
-            pipe.eval(scripts.CHECK, 3, self.keys.stream, self.keys.entry_groups, self.keys.trained, CONSUMER_GROUP,
-                      self.consumer, f"{ms}-{seq + 1}", wanted)  # fmt: skip
-            reply, flags = pipe.execute()
-            entries += reply[0][1] if reply else []
-            checked = {flags[i].decode(): bool(flags[i + 1]) for i in range(0, len(flags), 2)}
+            # Wait for new entries only with nothing else to hand out: the caller asked for up to `count`.
+            self._queue_new_read(pipe, count - len(entries), None if entries else block_ms)
+            new, new_checked = self._new_entries(*pipe.execute())
+            entries += new
+            checked = checked | new_checked
         self._note_seen(entries)
         return self._decode(entries, checked)
+
+    def _queue_new_read(self, pipe: redis.client.Pipeline, count: int, block_ms: int | None) -> None:
+        """Queue an XREADGROUP of up to `count` new entries and the check script that answers for their groups."""
+        pipe.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: ">"}, count=count, block=block_ms)
+        # New entries have larger ids than any this consumer was handed before: the check script finds them in its
+        # pending list and answers for their groups in this same round trip.
+        ms, seq = self._newest_seen
+        pipe.eval(scripts.CHECK, 3, self.keys.stream, self.keys.entry_groups, self.keys.trained, CONSUMER_GROUP,
+                  self.consumer, f"{ms}-{seq + 1}", count)  # fmt: skip
+
+    @staticmethod
+    def _new_entries(reply: object, flags: object) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], dict[str, bool]]:
+        """The entries and {entry id: trained} of a `_queue_new_read`; a failed part counts as nothing (a failed
+        read's entries, if any, stay pending for the reclaim pass; a failed check leaves them to `_decode`)."""
+        entries = reply[0][1] if reply and not isinstance(reply, Exception) else []
+        if isinstance(flags, Exception):
+            return entries, {}
+        return entries, {flags[i].decode(): bool(flags[i + 1]) for i in range(0, len(flags), 2)}
 
     def _note_seen(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         for raw_id, _ in entries:
@@ -291,10 +348,23 @@ class TrajectoryConsumer:
         pipe.execute()
         self.dead_lettered += 1
 
-    def _retire(self, entry_ids: list[str], trained_group_ids: list[str]) -> None:
-        # One command to send and parse: cheaper for the client than MULTI/EXEC, and as atomic.
-        self.client.eval(scripts.RETIRE, 3, self.keys.stream, self.keys.trained, self.keys.entry_groups, CONSUMER_GROUP,
-                         len(entry_ids), *entry_ids, *trained_group_ids)  # fmt: skip
+    def _retire(self, entry_ids: list[str], trained_group_ids: list[str], read_ahead: int = 0) -> int:
+        """Run the retire script (one command: cheaper for the client than MULTI/EXEC, and as atomic); returns the
+        stream's length after it. With `read_ahead`, the same round trip reads up to that many new entries ahead."""
+        args = (scripts.RETIRE, 3, self.keys.stream, self.keys.trained, self.keys.entry_groups, CONSUMER_GROUP,
+                len(entry_ids), *entry_ids, *trained_group_ids)  # fmt: skip
+        if not read_ahead:
+            return int(self.client.eval(*args))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.eval(*args)
+        self._queue_new_read(pipe, read_ahead, None)
+        length, reply, flags = pipe.execute(raise_on_error=False)
+        if isinstance(length, Exception):
+            raise length
+        self._ahead, self._ahead_checked = self._new_entries(reply, flags)
+        self._ahead_at = time.monotonic()
+        self._note_seen(self._ahead)
+        return int(length)
 
     def drop(self, consumed: list[ConsumedGroup]) -> None:
         """Ack groups refused at admission (too stale); they are not recorded as trained."""
@@ -303,10 +373,19 @@ class TrajectoryConsumer:
             self._release(consumed)
 
     def commit(self, consumed: list[ConsumedGroup]) -> None:
-        """After the optimizer step: atomically ack + delete the entries and record their group ids."""
+        """After the optimizer step: atomically ack + delete the entries and record their group ids.
+
+        When the last commit left more entries in the stream than this consumer holds, the same round trip reads
+        the next `read`'s worth of new entries ahead (not blocking): a busy learner's step then costs one round trip.
+        """
         if consumed:
-            self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed])
+            # Not during the pass over own pending entries after a restart: it would meet the entries read ahead.
+            idle = self._more_likely and not self._ahead and self._own_pending_from is None
+            read_ahead = self._read_size if idle else 0
+            length = self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed], read_ahead)
             self._release(consumed)
+            # The stream holds pending (this consumer's and others') and unread entries: a guess, refreshed each step.
+            self._more_likely = length > len(self._in_hand) + len(self._ahead)
 
     def _release(self, consumed: list[ConsumedGroup]) -> None:
         for c in consumed:

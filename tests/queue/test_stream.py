@@ -92,6 +92,19 @@ def test_a_consumer_that_read_a_full_batch_before_restarting_gets_all_its_pendin
     assert [[c.group.group_id for c in b] for b in batches] == [["g0", "g1"], ["g2", "g3"], ["g4"]]
 
 
+def test_a_restarted_consumer_reads_ahead_only_once_its_own_pending_are_handed_out(redis_server, queue_keys) -> None:
+    _producer(redis_server, queue_keys).push([make_group([2], seed=i) for i in range(8)])
+    assert len(_consumer(redis_server, queue_keys, "learner-0").read(5, 100)) == 5
+    restarted = _consumer(redis_server, queue_keys, "learner-0")
+    delivered = []
+    for _ in range(5):
+        batch = restarted.read(2, 10)
+        delivered += [c.group.group_id for c in batch]
+        restarted.commit(batch)
+    assert delivered == [f"g{i}" for i in range(8)] and restarted.backlog() == 0
+    assert restarted.duplicates_skipped == 0  # no entry came both from the pending pass and from a read-ahead
+
+
 def test_malformed_entry_goes_to_dead_letters_and_consumer_continues(redis_server, queue_keys) -> None:
     client = connect(redis_server.url, redis_server.password)
     consumer = _consumer(redis_server, queue_keys, "a")
@@ -191,3 +204,56 @@ def test_entry_groups_hold_only_entries_still_in_the_stream(redis_server, queue_
     consumer.drop(got[:1])
     consumer.commit(got[1:3])
     assert client.hvals(queue_keys.entry_groups) == [b"g3"] and consumer.backlog() == 1
+
+
+def test_a_commit_reads_the_next_batch_ahead_in_its_round_trip(redis_server, queue_keys) -> None:
+    producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
+    producer.push([make_group([2], seed=i) for i in range(6)])
+    batches = [consumer.read(2, 100)]
+    for _ in range(2):
+        reads = _calls(producer.client, "xreadgroup")
+        consumer.commit(batches[-1])
+        assert _calls(producer.client, "xreadgroup") == reads + 1  # the commit read ahead ...
+        batches.append(consumer.read(2, 100))
+        assert _calls(producer.client, "xreadgroup") == reads + 1  # ... so the read needed no round trip
+    assert [[c.group.group_id for c in b] for b in batches] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
+    consumer.commit(batches[-1])  # the stream held nothing beyond the batch read ahead: no read-ahead now
+    assert _calls(producer.client, "xreadgroup") == reads + 1 and consumer.backlog() == 0
+
+
+def test_entries_read_ahead_before_a_long_pause_go_to_whoever_reclaims_them(redis_server, queue_keys) -> None:
+    _producer(redis_server, queue_keys).push([make_group([2], seed=i) for i in range(4)])
+    paused = _consumer(redis_server, queue_keys, "paused", reclaim_idle_ms=300)
+    paused.commit(paused.read(2, 100))  # reads g2, g3 ahead, then pauses (a checkpoint?) past the idle time
+    other = _consumer(redis_server, queue_keys, "other", reclaim_idle_ms=300)
+    taken: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(taken) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        taken += [c.group.group_id for c in other.read(2, 10)]
+    assert sorted(taken) == ["g2", "g3"]
+    assert paused.read(2, 10) == []  # it let go of them: not handed out twice
+
+
+def test_a_producer_at_a_full_backlog_sends_no_payloads_until_there_is_room(redis_server, queue_keys) -> None:
+    producer, consumer = _producer(redis_server, queue_keys, max_backlog=2), _consumer(redis_server, queue_keys, "a")
+    groups = [make_group([1], seed=i) for i in range(3)]
+    accepted = producer.try_push(groups[:2])  # fills the backlog
+    appends = _calls(producer.client, "eval")
+    assert producer.try_push(groups[2:]) == {}
+    assert producer.try_push(groups[:1]) == {"g0": accepted["g0"]}  # a repeat still returns its entry
+    assert _calls(producer.client, "eval") == appends  # neither sent a payload
+    consumer.commit(consumer.read(2, 100))
+    assert list(producer.try_push(groups[2:])) == ["g2"]
+
+
+def test_a_read_with_groups_to_hand_out_does_not_wait_for_more(redis_server, queue_keys) -> None:
+    producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "learner-0")
+    producer.push([make_group([2], seed=i) for i in range(3)])
+    consumer.commit(consumer.read(2, 100))  # reads g2 ahead
+    start = time.monotonic()
+    assert [c.group.group_id for c in consumer.read(2, 5000)] == ["g2"]
+    producer.push([make_group([2], seed=3)])
+    consumer.read(1, 100)  # g3, then the consumer stops without committing; it restarts
+    assert [c.group.group_id for c in _consumer(redis_server, queue_keys, "learner-0").read(2, 5000)] == ["g2", "g3"]
+    assert time.monotonic() - start < 2.5  # neither read waited its 5 s for a new entry
