@@ -7,8 +7,8 @@ into freshly made per-layer parameters, and once a layer is complete those are c
 ("kernel") parameters, whose storage CUDA graphs hold. A model's tensor list is the same every version, so
 are those copies. `CopyPlan.record` runs the load once under a `TorchFunctionMode` that follows them, composing
 "input view → fresh parameter → live parameter" into "input view → view of the live parameter";
-`plan.replay(tensors)` redoes them for a new version as one `torch._foreach_copy_` (no Python per tensor, no
-allocation).
+`plan.replay(tensors)` redoes them for a new version as one `PairCopy` (one kernel launch on a GPU; no Python per
+tensor, no allocation).
 
 Contract
 --------
@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from streamrl.weights.pair_copy import PairCopy
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 # Fresh tensors a recording keeps alive while the loaded values in them have not reached the module yet. vLLM's
@@ -164,7 +166,7 @@ class CopyPlan:
     recorded_inputs: tuple[int, ...]  # data_ptr of each recorded input
     _input_index: dict[int, int] = field(default_factory=dict)  # data_ptr -> input index
     _copies_of_input: list[list[int]] = field(default_factory=list)  # input index -> indices of its copies
-    _bucket_cache: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    _bucket_cache: dict[tuple[int, int], PairCopy] = field(default_factory=dict)  # (first data_ptr, count) -> copies
 
     def __post_init__(self) -> None:
         self._input_index.update({ptr: index for index, ptr in enumerate(self.recorded_inputs)})
@@ -203,10 +205,16 @@ class CopyPlan:
         )
 
     def replay(self, tensors: NamedTensors) -> None:
-        torch._foreach_copy_(self.destinations, self._sources_for([tensor for _, tensor in tensors]))
+        sources = self._sources_for([tensor for _, tensor in tensors])
+        if sources is not self.recorded_views:
+            PairCopy(self.destinations, sources).copy()
+            return
+        if (0, -1) not in self._bucket_cache:  # the recorded views: their block tables are built once
+            self._bucket_cache[(0, -1)] = PairCopy(self.destinations, self.recorded_views)
+        self._bucket_cache[(0, -1)].copy()
 
-    def bucket_copies(self, tensors: NamedTensors) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """(destinations, sources) of the copies that read these recorded inputs; None if they are not ones."""
+    def bucket_copies(self, tensors: NamedTensors) -> PairCopy | None:
+        """The copies that read these recorded inputs (built once per bucket); None if they are not ones."""
         key = (tensors[0][1].data_ptr(), len(tensors)) if tensors else (0, 0)
         cached = self._bucket_cache.get(key)
         if cached is None:
@@ -214,7 +222,7 @@ class CopyPlan:
             if None in indices or any(self.names[i] != name for i, (name, _) in zip(indices, tensors, strict=True)):
                 return None
             chosen = [c for i in indices for c in self._copies_of_input[i]]
-            cached = ([self.destinations[c] for c in chosen], [self.recorded_views[c] for c in chosen])
+            cached = PairCopy([self.destinations[c] for c in chosen], [self.recorded_views[c] for c in chosen])
             self._bucket_cache[key] = cached
         return cached
 
@@ -235,20 +243,13 @@ class CopyPlan:
                 for s in self.sources]  # fmt: skip
 
 
-def _swap(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    scratch = [torch.empty_like(d) for d in destinations]
-    torch._foreach_copy_(scratch, destinations)
-    torch._foreach_copy_(destinations, sources)
-    torch._foreach_copy_(sources, scratch)
-
-
 class StreamedLoad:
     """A version loaded bucket by bucket by swapping with the staging buffers; see the module docstring."""
 
     def __init__(self, plan: CopyPlan):
         self.plan = plan
         self.broken: str | None = None
-        self._done: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._done: list[PairCopy] = []
 
     def bucket(self, tensors: NamedTensors) -> None:
         if self.broken is not None:
@@ -257,10 +258,10 @@ class StreamedLoad:
         if copies is None:
             self.broken = f"a bucket starting at {tensors[0][0] if tensors else None!r} is not in the copy plan"
             return
-        _swap(*copies)
+        copies.swap()
         self._done.append(copies)
 
     def undo(self) -> None:
         for copies in reversed(self._done):
-            _swap(*copies)
+            copies.swap()
         self._done.clear()
