@@ -7,17 +7,18 @@ The learner process builds a real Megatron GPTModel (fp32 master weights; for th
 stacked) from a Qwen3-shaped HF config with random weights and publishes it through the production path:
 `stream_hf_weights` (TP gather, fused QKV / gate-up split, experts one by one, HF names), cast to bf16,
 `WeightGroup.publish` (double-buffered buckets over a standalone NCCL group). Receivers stage the whole version
-(`WeightGroup.receive`) and then load it, i.e. copy every tensor into a preallocated HF-layout parameter of its
-own: a vLLM engine with a recorded `CopyPlan` does exactly that, one multi-tensor copy (the first version goes
-through vLLM's layerwise reload). The `-hf` model skips the learner: its HF tensors are created on the GPU
-directly (bucketing + transfer + load only).
+(`WeightGroup.receive`) and then load it into preallocated HF-layout parameters of their own through a `CopyPlan`
+recorded from their staging, as a vLLM engine does after its first version (`PairCopy`: one kernel launch). The
+`-hf` model skips the learner: its HF tensors are created on the GPU directly (bucketing + transfer + load only).
 
 In the same run, the same receivers time:
 - ceiling: a raw NCCL broadcast of the same number of bytes from one flat buffer, in 1 GiB pieces;
-- bucketed: every publish after the first at a bucket size (layouts planned once, payloads only);
+- bucketed: every publish after the first at a bucket size (layouts planned once, payloads only; each timed one
+  follows an untimed one at its size, as in a run that publishes at one size: the receiver's staging is kept);
 - streamed: `rollout.weight_apply=streamed`: the receiver swaps each bucket into its parameters as it arrives
   (`StreamedLoad` over a `CopyPlan` recorded from its staging; the engine pauses for the transfer instead);
-- first: a publish at a bucket size never used before (the layouts travel with the buckets);
+- first: a publish at a bucket size never used before (the layouts travel with the buckets; loaded with one
+  `torch._foreach_copy_`, as no copy plan exists for new staging);
 - naive: as verl-style syncs do, every HF tensor converted and broadcast on its own, the receiver loading each
   tensor as it arrives (which could leave an engine half updated: no staging).
 Each figure is the median of `--repeats` trials, timed from a barrier to the last receiver's load; "transfer"
@@ -74,11 +75,12 @@ def plan(args: argparse.Namespace, trial: int) -> list[tuple[str, int]]:
     publishes = []
     for mb in args.bucket_mb:
         publishes += [(_PRIME, mb << 20), (f"bucketed {mb} MiB", mb << 20)]
-    publishes += [(_PRIME, largest), (f"streamed {max(args.bucket_mb)} MiB", largest)]
+    publishes += [(_PRIME, largest), (_WARM, largest), (f"streamed {max(args.bucket_mb)} MiB", largest)]
     return [*publishes, (f"first {max(args.bucket_mb)} MiB", largest - 16 * (trial + 1))]
 
 
 _PRIME = "prime"  # an untimed publish that re-stages its plan on the receiver (and there records a copy plan)
+_WARM = "warm"  # an untimed streamed publish: the copy plan's per-bucket tables are built once, as in a long run
 
 
 def moe_tensors(layers: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -153,7 +155,7 @@ def _learner(args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -
 
 
 def _load(destination: dict[str, torch.Tensor], tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """The engine-side load, the same for every method: copy into the engine's own parameter storage."""
+    """A load without a copy plan (a tensor list never seen): one multi-tensor copy into the parameters."""
     torch._foreach_copy_([destination[name] for name, _ in tensors], [tensor for _, tensor in tensors])
 
 
@@ -194,7 +196,8 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
         for label, _ in plan(args, trial):
             _barrier(group.group, device)
             start = time.perf_counter()
-            if label.startswith("streamed"):
+            streamed = label == _WARM or label.startswith("streamed")
+            if streamed:
                 stream = StreamedLoad(copy_plan)
                 _, tensors = group.receive(on_bucket=stream.bucket)  # each bucket swapped in as it arrives
                 assert stream.broken is None, stream.broken
@@ -204,18 +207,21 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
             received_at = time.perf_counter()
             for name, tensor in tensors:
                 destination.setdefault(name, torch.empty_like(tensor))
-            if label == _PRIME:  # the staging this plan's next publish reuses: record the load from it
+            if label == _PRIME:  # the staging this plan's next publishes reuse: record the load from it, as an engine
                 copy_plan, problem = CopyPlan.record(functools.partial(_load_each, destination, tensors), tensors,
                                                      destination.values())  # fmt: skip
                 assert copy_plan is not None and copy_plan.swap_problem() is None, problem
-            elif not label.startswith("streamed"):
-                _load(destination, tensors)
+                copy_plan.replay(tensors)  # builds the replay's tables once
+            elif label.startswith("bucketed"):
+                copy_plan.replay(tensors)  # the engine's load once its copy plan is recorded
+            elif label.startswith("first"):
+                _load(destination, tensors)  # a new tensor list: no copy plan for it yet
             torch.cuda.synchronize(device)
             loaded_at = time.perf_counter()
             _barrier(group.group, device)
-            if trial and label != _PRIME:
+            if trial and label not in (_PRIME, _WARM):
                 timings.setdefault(label, []).append(time.perf_counter() - start)
-                if not label.startswith("streamed"):
+                if not streamed:
                     timings.setdefault(f"{label} transfer", []).append(received_at - start)
                     timings.setdefault(f"{label} load", []).append(loaded_at - received_at)
             shapes = [(n, tuple(t.shape)) for n, t in tensors]

@@ -79,13 +79,14 @@ class PairCopy:
 
 
 def _block_tables(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    """(source addresses, destination addresses, words per pair, pair of each block, first word of each block)."""
-    device = pairs[0][0].device
-    sources = torch.tensor([s.data_ptr() for _, s in pairs], dtype=torch.int64, device=device)
-    destinations = torch.tensor([d.data_ptr() for d, _ in pairs], dtype=torch.int64, device=device)
-    words = torch.tensor([d.numel() * d.element_size() // 8 for d, _ in pairs], dtype=torch.int64, device=device)
+    """(source addresses, destination addresses, words per pair, pair of each block, first word of each block),
+    built on the host (no device round trip) and moved to the pairs' device."""
+    sources = torch.tensor([s.data_ptr() for _, s in pairs], dtype=torch.int64)
+    destinations = torch.tensor([d.data_ptr() for d, _ in pairs], dtype=torch.int64)
+    words = torch.tensor([d.numel() * d.element_size() // 8 for d, _ in pairs], dtype=torch.int64)
     blocks = (words + BLOCK - 1) // BLOCK
-    block_pair = torch.repeat_interleave(torch.arange(len(pairs), device=device), blocks)
+    block_pair = torch.repeat_interleave(torch.arange(len(pairs)), blocks)
     first_block = torch.cumsum(blocks, 0) - blocks
-    block_start = (torch.arange(block_pair.numel(), device=device) - first_block[block_pair]) * BLOCK
-    return sources, destinations, words, block_pair, block_start
+    block_start = (torch.arange(block_pair.numel()) - first_block[block_pair]) * BLOCK
+    device = pairs[0][0].device
+    return tuple(t.to(device) for t in (sources, destinations, words, block_pair, block_start))
