@@ -205,8 +205,8 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
                 _, tensors = group.receive()
             torch.cuda.synchronize(device)
             received_at = time.perf_counter()
-            for name, tensor in tensors:
-                destination.setdefault(name, torch.empty_like(tensor))
+            if not destination:  # the engine's parameters, allocated once (not inside any timed span after trial 0)
+                destination.update((name, torch.empty_like(tensor)) for name, tensor in tensors)
             if label == _PRIME:  # the staging this plan's next publishes reuse: record the load from it, as an engine
                 copy_plan, problem = CopyPlan.record(functools.partial(_load_each, destination, tensors), tensors,
                                                      destination.values())  # fmt: skip
