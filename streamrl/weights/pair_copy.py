@@ -47,12 +47,8 @@ class PairCopy:
 
     def swap(self) -> None:
         self._run(swap=True)
-        destinations, sources = self._rest
-        if destinations:
-            scratch = [torch.empty_like(d) for d in destinations]
-            torch._foreach_copy_(scratch, destinations)
-            torch._foreach_copy_(destinations, sources)
-            torch._foreach_copy_(sources, scratch)
+        if self._rest[0]:
+            _foreach_swap(*self._rest)
 
     def _run(self, swap: bool) -> None:
         global _kernel_failed
@@ -69,13 +65,14 @@ class PairCopy:
                 logger.warning("weights: pair-copy kernel unavailable (%s); using torch._foreach_copy_", exc)
         destinations = [d for d, _ in self._kernel_pairs]
         sources = [s for _, s in self._kernel_pairs]
-        if swap:
-            scratch = [torch.empty_like(d) for d in destinations]
-            torch._foreach_copy_(scratch, destinations)
-            torch._foreach_copy_(destinations, sources)
-            torch._foreach_copy_(sources, scratch)
-        else:
-            torch._foreach_copy_(destinations, sources)
+        (_foreach_swap if swap else torch._foreach_copy_)(destinations, sources)
+
+
+def _foreach_swap(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    scratch = [torch.empty_like(d) for d in destinations]
+    torch._foreach_copy_(scratch, destinations)
+    torch._foreach_copy_(destinations, sources)
+    torch._foreach_copy_(sources, scratch)
 
 
 def _block_tables(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
