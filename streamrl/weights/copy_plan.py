@@ -54,6 +54,7 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 # Fresh tensors a recording keeps alive while the loaded values in them have not reached the module yet. vLLM's
 # layerwise reload copies each layer into the module as soon as it is complete, so this stays about one layer.
 _UNRESOLVED_BYTES = 4 << 30
+_WHOLE = (0, -1)  # `CopyPlan._bucket_cache` key of every copy at once (a bucket's key is its first input's address)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +210,9 @@ class CopyPlan:
         if sources is not self.recorded_views:
             PairCopy(self.destinations, sources).copy()
             return
-        if (0, -1) not in self._bucket_cache:  # the recorded views: their block tables are built once
-            self._bucket_cache[(0, -1)] = PairCopy(self.destinations, self.recorded_views)
-        self._bucket_cache[(0, -1)].copy()
+        if _WHOLE not in self._bucket_cache:  # the recorded views: their block tables are built once
+            self._bucket_cache[_WHOLE] = PairCopy(self.destinations, self.recorded_views)
+        self._bucket_cache[_WHOLE].copy()
 
     def bucket_copies(self, tensors: NamedTensors) -> PairCopy | None:
         """The copies that read these recorded inputs (built once per bucket); None if they are not ones."""
