@@ -101,24 +101,6 @@ def _repack_cpu_moe_experts(model: torch.nn.Module) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
-def _weights_fingerprint(model: torch.nn.Module, chunk: int = 1 << 24) -> torch.Tensor:
-    """Per parameter chunk: the float64 sum and a position-weighted sum (catches values that moved).
-
-    Chunked so that no temporary exceeds `chunk` floats on an engine whose memory vLLM has already handed
-    to the KV cache."""
-    ramp = None
-    sums = []
-    for parameter in model.parameters():
-        flat = parameter.detach().reshape(-1)
-        for start in range(0, flat.numel(), chunk):
-            piece = flat[start : start + chunk].float()
-            if ramp is None:
-                ramp = (torch.arange(chunk, device=piece.device) % 997 + 1).float()
-            weighted = piece * ramp[: piece.numel()]
-            sums.append(torch.stack([piece.sum(dtype=torch.float64), weighted.sum(dtype=torch.float64)]))
-    return torch.stack(sums)
-
-
 class WeightReloadExtension:
     """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
 
@@ -134,17 +116,19 @@ class WeightReloadExtension:
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         plan: CopyPlan | None = getattr(self, "_streamrl_copy_plan", None)
+        # Each way ends in exactly one CPU-kernel repack per load (a second one would pack packed weights).
         with torch.no_grad():
             if plan is not None and plan.matches(tensors):
                 plan.replay(tensors)
+                _repack_cpu_moe_experts(model)
                 path = "planned"
             elif not hasattr(self, "_streamrl_copy_plan"):
-                self._streamrl_copy_plan = self._streamrl_record_plan(model, tensors)
+                self._streamrl_copy_plan = self._streamrl_record_plan(model, tensors)  # repacks after each load
                 path = "layerwise"
             else:
                 self._streamrl_layerwise_load(model, tensors)
+                _repack_cpu_moe_experts(model)
                 path = "layerwise"
-            _repack_cpu_moe_experts(model)
         return {
             "num_tensors": len(tensors),
             "num_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
@@ -165,18 +149,13 @@ class WeightReloadExtension:
         weights just loaded changes none of them (then it does what the layerwise reload does)."""
         if self.vllm_config.model_config.quantization is not None:  # type: ignore[attr-defined]
             self._streamrl_layerwise_load(model, tensors)
+            _repack_cpu_moe_experts(model)
             self._streamrl_plan_status = "refused: quantized model"
             return None
-        plan, reason = CopyPlan.record(lambda: self._streamrl_layerwise_load(model, tensors), tensors,
-                                       [*model.parameters(), *model.buffers()])  # fmt: skip
-        if plan is not None:
-            _repack_cpu_moe_experts(model)
-            loaded = _weights_fingerprint(model)
-            plan.replay(tensors)
-            _repack_cpu_moe_experts(model)
-            if not torch.equal(_weights_fingerprint(model), loaded):
-                plan, reason = None, "replaying it changed weights the layerwise reload had loaded"
-                self._streamrl_layerwise_load(model, tensors)
+        plan, reason = CopyPlan.record_checked(
+            lambda: self._streamrl_layerwise_load(model, tensors), tensors, [*model.parameters(), *model.buffers()],
+            finish=lambda: _repack_cpu_moe_experts(model),
+        )
         self._streamrl_plan_status = "recorded" if plan is not None else f"refused: {reason}"
         if plan is None:
             logger.warning("weights: no copy plan (%s); every version takes vLLM's layerwise reload", reason)

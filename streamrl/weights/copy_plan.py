@@ -16,12 +16,17 @@ Contract
   `targets` (the module: a model's parameters and buffers), and returns `(plan, None)`, or `(None, reason)`
   when the copies it saw cannot be composed into a replay: a value that reaches the module other than by
   `copy_` (`__setitem__`, `add_`, a fill with a tensor or with a number read from an input by `item()`; a fill
-  with a constant is the same every version), a copy of a computed tensor (not a view of an input) into the
+  with a constant is the same every version), a change of a fresh parameter that holds loaded values before it
+  reaches the module (processing a replay would skip), a copy of a computed tensor (not a view of an input) into the
   module, a fresh parameter copied into one of another layout, or an input copied somewhere that never
   reached the module. The load itself has run either way. The plan is only what
   the copies say: processing between a fresh parameter's load and its copy into the module (quantisation,
   repacking) is invisible here, so a caller checks a replay against the load it recorded (the vLLM worker
   compares weight fingerprints).
+- `CopyPlan.record_checked(load, tensors, targets, finish)` records as above (then runs `finish()`, e.g. a
+  kernel's repacking), replays the plan on the same tensors (then `finish()` again) and keeps it only if that
+  left every target as the load had (a position-weighted fingerprint: values that moved show too); otherwise
+  it runs the load again, so the targets end as the load leaves them either way.
 - `plan.matches(tensors)`: the same names, dtypes and shapes in the same order as recorded.
 - `plan.replay(tensors)` requires `matches`; sources are re-derived from the new tensors by their offsets, or
   the recorded views are reused when the tensors are the very ones recorded (a receiver's kept staging
@@ -119,6 +124,8 @@ class _Recorder(TorchFunctionMode):
                 pass  # a constant (vLLM resets attention scales to 1.0 on every reload): the same every version
             elif mutates and _storage(target) in self.module_storages:
                 self.problem = f"the load changes parameters in place with {name}"
+            elif mutates and _storage(target) in self._staged:
+                self.problem = f"the load processes loaded values ({name}) before they reach the model"
             elif name in ("item", "tolist") and self._input_of(target) is not None:
                 self.problem = f"the load reads loaded values on the host ({name})"
         return func(*args, **kwargs)
@@ -199,6 +206,22 @@ class CopyPlan:
                         tuple(t.data_ptr() for t in inputs))  # fmt: skip
         return plan, None
 
+    @staticmethod
+    def record_checked(load: Callable[[], object], tensors: NamedTensors, targets: list[torch.Tensor],
+                       finish: Callable[[], object] = lambda: None) -> tuple[CopyPlan | None, str | None]:  # fmt: skip
+        plan, reason = CopyPlan.record(load, tensors, targets)
+        finish()
+        if plan is None:
+            return None, reason
+        loaded = _fingerprint(targets)
+        plan.replay(tensors)
+        finish()
+        if torch.equal(_fingerprint(targets), loaded):
+            return plan, None
+        load()
+        finish()
+        return None, "replaying it changed weights the load had written"
+
     def matches(self, tensors: NamedTensors) -> bool:
         return len(tensors) == len(self.names) and all(
             name == n and t.dtype == d and tuple(t.shape) == s
@@ -242,6 +265,22 @@ class CopyPlan:
             return self.recorded_views
         return [inputs[s.index].as_strided(s.size, s.stride, inputs[s.index].storage_offset() + s.offset)
                 for s in self.sources]  # fmt: skip
+
+
+def _fingerprint(tensors: list[torch.Tensor], chunk: int = 1 << 24) -> torch.Tensor:
+    """Per chunk of each tensor: the float64 sum and a position-weighted sum. Chunked so that no temporary exceeds
+    `chunk` floats on an engine whose memory vLLM has already handed to the KV cache."""
+    ramp = None
+    sums = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            piece = flat[start : start + chunk].float()
+            if ramp is None:
+                ramp = (torch.arange(chunk, device=piece.device) % 997 + 1).float()
+            weighted = piece * ramp[: piece.numel()]
+            sums.append(torch.stack([piece.sum(dtype=torch.float64), weighted.sum(dtype=torch.float64)]))
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
 
 
 class StreamedLoad:

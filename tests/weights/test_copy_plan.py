@@ -165,3 +165,48 @@ def test_values_read_on_the_host_are_refused_constants_are_not() -> None:
 
     plan, reason = CopyPlan.record(load_and_reset_a_constant, tensors, model.parameters())
     assert reason is None and plan is not None
+
+
+def test_processing_fresh_parameters_before_they_reach_the_model_is_refused() -> None:
+    model, tensors = _Fused(), _version(0)
+
+    def processing_load() -> None:
+        fresh = _Fused()
+        _load(fresh, tensors)
+        fresh.norm.data.mul_(2.0)  # e.g. a quantisation step on the fresh layer: a replay would skip it
+        for live, new in zip(model.parameters(), fresh.parameters(), strict=True):
+            live.data.copy_(new)
+
+    plan, reason = CopyPlan.record(processing_load, tensors, model.parameters())
+    assert plan is None and "processes loaded values (mul_)" in reason
+
+
+def test_a_replay_that_changes_what_the_load_wrote_is_dropped_and_the_load_redone() -> None:
+    """Processing the recorder cannot see (a C++ op, here hidden from torch functions) makes the replay write
+    other values than the load: `record_checked` notices, loads again, and returns no plan."""
+    model, reference, tensors = _Fused(), _Fused(), _version(0)
+
+    def hidden_processing_load() -> None:
+        fresh = _Fused()
+        _load(fresh, tensors)
+        with torch._C.DisableTorchFunction():
+            fresh.norm.data.mul_(2.0)
+        for live, new in zip(model.parameters(), fresh.parameters(), strict=True):
+            live.data.copy_(new)
+
+    finished = []
+    plan, reason = CopyPlan.record_checked(hidden_processing_load, tensors, list(model.parameters()),
+                                           finish=lambda: finished.append(True))  # fmt: skip
+    assert plan is None and "changed weights" in reason
+    assert len(finished) == 3  # after the recorded load, the replay and the load run again
+    # The model now holds what the load gives:
+    _two_hop_load(reference, tensors)
+    reference.norm.data.mul_(2.0)
+    for name, value in _state(reference).items():
+        assert torch.equal(_state(model)[name], value), name
+
+
+def test_a_faithful_replay_is_kept() -> None:
+    model, tensors = _Fused(), _version(0)
+    plan, reason = CopyPlan.record_checked(lambda: _two_hop_load(model, tensors), tensors, list(model.parameters()))
+    assert reason is None and plan is not None
