@@ -3,6 +3,9 @@ or the recorded input tensors), and a load a replay could not repeat is refused 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from streamrl.weights.bucket import Layout, pack, unpack
@@ -44,8 +47,18 @@ def _version(seed: int) -> Named:
     return [(name, torch.randn(shape, generator=generator)) for name, shape in shapes.items()]
 
 
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+def _assert_same(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for (name, value), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(value, expected), name
+
+
+def _two_hop_load(model: _Fused, tensors: Named, process: Callable[[_Fused], None] = lambda fresh: None) -> None:
+    """vLLM's in-place reload: load into fresh parameters (`process` them), then copy each whole into the live one."""
+    fresh = _Fused()
+    _load(fresh, tensors)
+    process(fresh)
+    for live, new in zip(model.parameters(), fresh.parameters(), strict=True):
+        live.data.copy_(new)
 
 
 def test_replay_equals_the_load_for_new_tensors() -> None:
@@ -59,8 +72,7 @@ def test_replay_equals_the_load_for_new_tensors() -> None:
     assert plan.matches(second)
     plan.replay(second)
     _load(reference, second)
-    for name, value in _state(reference).items():
-        assert torch.equal(_state(recorded)[name], value), name
+    _assert_same(recorded, reference)
 
 
 def test_replay_from_kept_staging_buffers_reuses_the_recorded_views() -> None:
@@ -81,8 +93,7 @@ def test_replay_from_kept_staging_buffers_reuses_the_recorded_views() -> None:
     assert plan._sources_for([t for _, t in restaged]) is plan.recorded_views
     plan.replay(restaged)
     _load(reference, second)
-    for name, value in _state(reference).items():
-        assert torch.equal(_state(model)[name], value), name
+    _assert_same(model, reference)
 
 
 def test_other_tensor_lists_do_not_match() -> None:
@@ -95,36 +106,6 @@ def test_other_tensor_lists_do_not_match() -> None:
     assert not plan.matches([("x" if n == "q" else n, t) for n, t in first])
 
 
-def test_a_load_that_computes_values_is_refused() -> None:
-    model, tensors = _Fused(), _version(0)
-
-    def scaling_load() -> None:
-        _load(model, tensors)
-        model.norm.data.copy_(tensors[-1][1] * 2.0)  # not a view of an input: a replay cannot redo it
-
-    plan, reason = CopyPlan.record(scaling_load, tensors, model.parameters())
-    assert plan is None and "computed" in reason
-
-
-def test_other_in_place_changes_of_parameters_are_refused() -> None:
-    model, tensors = _Fused(), _version(0)
-
-    def filling_load() -> None:
-        _load(model, tensors)
-        model.norm.data.add_(1.0)
-
-    plan, reason = CopyPlan.record(filling_load, tensors, model.parameters())
-    assert plan is None and "add_" in reason
-
-
-def _two_hop_load(model: _Fused, tensors: Named) -> None:
-    """vLLM's in-place reload: load into fresh parameters, then copy each whole into the live one."""
-    fresh = _Fused()
-    _load(fresh, tensors)
-    for live, new in zip(model.parameters(), fresh.parameters(), strict=True):
-        live.data.copy_(new)
-
-
 def test_copies_through_fresh_parameters_compose() -> None:
     model, reference = _Fused(), _Fused()
     first = _version(0)
@@ -133,52 +114,55 @@ def test_copies_through_fresh_parameters_compose() -> None:
     second = _version(3)
     plan.replay(second)
     _load(reference, second)
-    for name, value in _state(reference).items():
-        assert torch.equal(_state(model)[name], value), name
+    _assert_same(model, reference)
 
 
-def test_loaded_views_that_never_reach_the_model_are_refused() -> None:
+def _scaled(model: _Fused, tensors: Named) -> None:
+    _load(model, tensors)
+    model.norm.data.copy_(tensors[-1][1] * 2.0)  # not a view of an input: a replay cannot redo it
+
+
+def _added(model: _Fused, tensors: Named) -> None:
+    _load(model, tensors)
+    model.norm.data.add_(1.0)
+
+
+def _scratch_left_behind(model: _Fused, tensors: Named) -> None:
+    torch.empty(H).copy_(tensors[-1][1])
+    _load(model, tensors)
+
+
+def _read_on_the_host(model: _Fused, tensors: Named) -> None:
+    _load(model, tensors)
+    model.norm.data[0].fill_(tensors[-1][1][0].item())  # vLLM's loader for one-element parameters
+
+
+def _fresh_processed(model: _Fused, tensors: Named) -> None:
+    # e.g. a quantisation step on the fresh layer: a replay would skip it
+    _two_hop_load(model, tensors, process=lambda fresh: fresh.norm.data.mul_(2.0))
+
+
+@pytest.mark.parametrize(
+    ("load", "reason"),
+    [(_scaled, "computed"), (_added, "add_"), (_scratch_left_behind, "never reached"), (_read_on_the_host, "item"),
+     (_fresh_processed, "processes loaded values (mul_)")],
+    ids=["computed", "in-place", "never-reaches", "item", "processed"],
+)  # fmt: skip
+def test_a_load_a_replay_could_not_repeat_is_refused(load: Callable[[_Fused, Named], None], reason: str) -> None:
     model, tensors = _Fused(), _version(0)
-
-    def load_leaving_a_copy_behind() -> None:
-        scratch = torch.empty(H)
-        scratch.copy_(tensors[-1][1])
-        _load(model, tensors)
-
-    plan, reason = CopyPlan.record(load_leaving_a_copy_behind, tensors, model.parameters())
-    assert plan is None and "never reached" in reason
+    plan, refusal = CopyPlan.record(lambda: load(model, tensors), tensors, model.parameters())
+    assert plan is None and reason in refusal
 
 
-def test_values_read_on_the_host_are_refused_constants_are_not() -> None:
+def test_resetting_a_constant_is_not_refused() -> None:
     model, tensors = _Fused(), _version(0)
-
-    def load_through_item() -> None:
-        _load(model, tensors)
-        model.norm.data[0].fill_(tensors[-1][1][0].item())  # vLLM's loader for one-element parameters
-
-    plan, reason = CopyPlan.record(load_through_item, tensors, model.parameters())
-    assert plan is None and "item" in reason
 
     def load_and_reset_a_constant() -> None:
         _load(model, tensors)
-        model.norm.data[0].fill_(1.0)
+        model.norm.data[0].fill_(1.0)  # vLLM resets attention scales so on every reload
 
     plan, reason = CopyPlan.record(load_and_reset_a_constant, tensors, model.parameters())
     assert reason is None and plan is not None
-
-
-def test_processing_fresh_parameters_before_they_reach_the_model_is_refused() -> None:
-    model, tensors = _Fused(), _version(0)
-
-    def processing_load() -> None:
-        fresh = _Fused()
-        _load(fresh, tensors)
-        fresh.norm.data.mul_(2.0)  # e.g. a quantisation step on the fresh layer: a replay would skip it
-        for live, new in zip(model.parameters(), fresh.parameters(), strict=True):
-            live.data.copy_(new)
-
-    plan, reason = CopyPlan.record(processing_load, tensors, model.parameters())
-    assert plan is None and "processes loaded values (mul_)" in reason
 
 
 def test_a_replay_that_changes_what_the_load_wrote_is_dropped_and_the_load_redone() -> None:
@@ -186,24 +170,17 @@ def test_a_replay_that_changes_what_the_load_wrote_is_dropped_and_the_load_redon
     other values than the load: `record_checked` notices, loads again, and returns no plan."""
     model, reference, tensors = _Fused(), _Fused(), _version(0)
 
-    def hidden_processing_load() -> None:
-        fresh = _Fused()
-        _load(fresh, tensors)
+    def hidden(fresh: _Fused) -> None:
         with torch._C.DisableTorchFunction():
             fresh.norm.data.mul_(2.0)
-        for live, new in zip(model.parameters(), fresh.parameters(), strict=True):
-            live.data.copy_(new)
 
     finished = []
-    plan, reason = CopyPlan.record_checked(hidden_processing_load, tensors, list(model.parameters()),
-                                           finish=lambda: finished.append(True))  # fmt: skip
+    plan, reason = CopyPlan.record_checked(lambda: _two_hop_load(model, tensors, hidden), tensors,
+                                           list(model.parameters()), finish=lambda: finished.append(True))  # fmt: skip
     assert plan is None and "changed weights" in reason
     assert len(finished) == 3  # after the recorded load, the replay and the load run again
-    # The model now holds what the load gives:
-    _two_hop_load(reference, tensors)
-    reference.norm.data.mul_(2.0)
-    for name, value in _state(reference).items():
-        assert torch.equal(_state(model)[name], value), name
+    _two_hop_load(reference, tensors, hidden)  # the model holds what the load gives
+    _assert_same(model, reference)
 
 
 def test_a_faithful_replay_is_kept() -> None:
