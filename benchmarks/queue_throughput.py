@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 5, --quick 1)")
     parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
     args = parser.parse_args()
-    repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (5, 128, 300)
+    repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (5, 256, 300)
     repeats = args.repeats or repeats
     mp = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="queue-bench-") as data_dir, EmbeddedRedis(Path(data_dir)) as server:

@@ -125,8 +125,9 @@ def test_producer_waits_for_backlog_then_times_out(redis_server, queue_keys) -> 
     producer.push([make_group([1], seed=0)])
     with pytest.raises(TimeoutError, match="backlog"):
         producer.push([make_group([1], seed=1), make_group([1], seed=2)])
-    assert producer.backpressure_wait_s > 0
-    assert producer.client.xlen(queue_keys.stream) == 2  # the bound holds inside one push too
+    assert producer.backpressure_wait_s > 0.25
+    # The push waited for room for both groups rather than append one of them: nothing of it reached the stream.
+    assert producer.client.xlen(queue_keys.stream) == 1
 
 
 def test_try_push_appends_only_what_fits_and_never_waits(redis_server, queue_keys) -> None:
@@ -151,6 +152,48 @@ def test_a_waiting_push_completes_once_the_learner_commits(redis_server, queue_k
     assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2", "g3"]
 
 
+def test_a_claim_keeps_its_places_from_other_producers_until_it_expires(redis_server, queue_keys, monkeypatch) -> None:
+    monkeypatch.setattr(stream, "CLAIM_TTL_MS", 300)
+    first, second = (_producer(redis_server, queue_keys, max_backlog=4) for _ in range(2))
+    first.push([make_group([1], seed=0)])
+    granted, known = first._claim([make_group([1], seed=i) for i in (0, 1, 2)], 1)
+    assert granted == 2 and list(known) == ["g0"]  # g0 is in the stream already; 3 free places, 2 claimed
+    # The other producer gets only the place left, even with a stale view of the room.
+    assert list(second.try_push([make_group([1], seed=i) for i in (3, 4)])) == ["g3"]
+    assert list(first.try_push([make_group([1], seed=i) for i in (1, 2)])) == ["g1", "g2"]
+    assert first.client.xlen(queue_keys.stream) == 4 and first.client.hlen(queue_keys.claims) == 0  # used up
+    # A claim left by a producer that died stops holding places once it expires.
+    first.client.xtrim(queue_keys.stream, maxlen=2, approximate=False)
+    assert first._claim([make_group([1], seed=5)], 1)[0] == 1
+    assert second._claim([make_group([1], seed=i) for i in (6, 7)], 1)[0] == 1
+    time.sleep(0.35)
+    assert second._claim([make_group([1], seed=i) for i in (6, 7)], 1)[0] == 2
+
+
+def test_producers_racing_for_a_crowded_backlog_send_no_refused_payload(redis_server, queue_keys) -> None:
+    producers = [_producer(redis_server, queue_keys, max_backlog=8, wait_s=30) for _ in range(4)]
+    consumer = _consumer(redis_server, queue_keys, "a")
+    records = [_record_appends(producer) for producer in producers]
+    rounds = []
+    for round_ in range(3):
+        threads = [threading.Thread(target=producer.push,
+                                    args=([make_group([1], seed=1000 * round_ + 100 * p + i) for i in range(4)],))
+                   for p, producer in enumerate(producers)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        delivered = 0
+        while delivered < 16:
+            batch = consumer.read(4, 100)
+            delivered += len(batch)
+            consumer.commit(batch)
+        for thread in threads:
+            thread.join()
+        rounds.append(delivered)
+    assert rounds == [16, 16, 16]
+    assert sum(map(sum, records)) == 48  # each payload sent once: no append refused for want of room
+    assert consumer.backlog() == 0 and consumer.client.scard(queue_keys.trained) == 48
+
+
 def test_wrong_password_is_refused(redis_server) -> None:
     with pytest.raises(PermissionError, match="refused the password"):
         connect(redis_server.url, "not-the-password")
@@ -173,6 +216,14 @@ def test_a_commit_of_more_groups_than_one_command_takes_records_them_all(redis_s
     consumer.commit(consumer.read(2500, 100))
     assert consumer.backlog() == 0 and consumer.client.scard(queue_keys.trained) == 2500
     assert consumer.client.xpending(queue_keys.stream, stream.CONSUMER_GROUP)["pending"] == 0
+
+
+def _record_appends(producer: TrajectoryProducer) -> list[int]:
+    """The number of groups of each append script call the producer makes from now on (payloads sent)."""
+    sent: list[int] = []
+    append = producer._append
+    producer._append = lambda groups: sent.append(len(groups)) or append(groups)
+    return sent
 
 
 def _calls(client, command: str) -> int:
@@ -239,10 +290,10 @@ def test_a_producer_at_a_full_backlog_sends_no_payloads_until_there_is_room(redi
     producer, consumer = _producer(redis_server, queue_keys, max_backlog=2), _consumer(redis_server, queue_keys, "a")
     groups = [make_group([1], seed=i) for i in range(3)]
     accepted = producer.try_push(groups[:2])  # fills the backlog
-    appends = _calls(producer.client, "eval")
+    sent = _record_appends(producer)
     assert producer.try_push(groups[2:]) == {}
     assert producer.try_push(groups[:1]) == {"g0": accepted["g0"]}  # a repeat still returns its entry
-    assert _calls(producer.client, "eval") == appends  # neither sent a payload
+    assert sent == []  # neither sent a payload
     consumer.commit(consumer.read(2, 100))
     assert list(producer.try_push(groups[2:])) == ["g2"]
 
