@@ -4,7 +4,11 @@ They are sent with EVAL (not EVALSHA): a restarted server has an empty script ca
 EVALSHA would fail with NOSCRIPT. Each takes its key names in KEYS (an ACL user scoped to the run's
 prefix may run them) and is safe to run twice, as a retry after a lost reply does.
 
-Keys they share (see `stream.QueueKeys`): the stream of entries `{g: wire bytes}`; `entry_groups`, a
+Keys they share (see `stream.QueueKeys`): the stream of entries, `{g: wire bytes}` for a small group and
+`{i: group id, n: push nonce}` for a large one, whose bytes are a payload key of their own, written by a plain
+SET (Redis keeps the received buffer as it is; a payload passed through a script is copied into Lua and back and
+logged to the AOF as the script's effect: about twice the server's time of the SET for 1.5 MB, measured);
+`entry_groups`, a
 hash from the id of each entry appended by PUSH to its group id, which lets CHECK look up groups
 without reading their payloads; the trained set of group ids; one push marker per group (the entry id
 it was appended as); the claims hash, places in the backlog reserved by a producer (CLAIM) for its next PUSH, so
@@ -62,27 +66,61 @@ replies[1] = grant
 return replies
 """
 
-# KEYS: the stream, entry_groups, the room baton, the claims hash, then the push marker of each group. ARGV: the
-# producer's token, marker TTL in ms, max backlog, then the id of each group, then its wire bytes. Appends the groups in
-# order while there is room (the bound less the stream's length and the live claims of other producers); the token's own
-# claim shrinks by the groups appended, so the later calls of a push split in several keep the rest of it. A group
-# whose marker exists was pushed before and keeps its entry. Returns one reply
-# per group: its entry id, or 0 if there was no room; then the room left. Nothing else appends while the script runs,
-# so counting the room down from one XLEN keeps the bound exact. Room left over is passed on to the next waiting
-# producer through the baton.
+# KEYS: the stream, entry_groups, the room baton, the claims hash, then the push marker of each group, then its payload
+# key. ARGV: the producer's token, marker TTL in ms, max backlog, the push's nonce, then the id of each group, then its
+# wire bytes, or "" for a group whose bytes the producer SET under its payload key just before (with an expiry, so
+# that a producer dying in between leaves no garbage). Appends the groups in order while there is room (the bound less
+# the stream's length and the live claims of other producers): `{g: bytes}`, or `{i: group id, n: nonce}` with the
+# payload key made permanent. The token's own claim shrinks by the groups appended, so the later calls of a push split
+# in several keep the rest of it. A group whose marker exists was pushed before and keeps its entry; this push's
+# payload key is then deleted unless that entry is this same push's (a retried call). A group refused for want of room
+# has its payload key deleted. Returns one reply per group: its entry id, or 0 if there was no room; then the room
+# left. Nothing else appends while the script runs, so counting the room down from one XLEN keeps the bound exact.
+# Room left over is passed on to the next waiting producer through the baton. Refuses the whole call, before any
+# write, if a payload key it was told about is missing.
 PUSH = _CLAIMS + """
-local n = #KEYS - 4
+local n = (#KEYS - 4) / 2
+local nonce = ARGV[4]
+for i = 1, n do
+  if ARGV[4 + n + i] == '' and redis.call('EXISTS', KEYS[4 + n + i]) == 0 then
+    return redis.error_reply('payload of group ' .. ARGV[4 + i] .. ' missing at ' .. KEYS[4 + n + i])
+  end
+end
 local room = tonumber(ARGV[3]) - redis.call('XLEN', KEYS[1]) - claimed_by_others(KEYS[4], ARGV[1])
 local replies = {}
 local appended = 0
 for i = 1, n do
   local entry_id = redis.call('GET', KEYS[4 + i])
-  if not entry_id and room > 0 then
-    entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[3 + n + i])
+  local stored = ARGV[4 + n + i] == ''
+  if entry_id then
+    if stored then
+      local entry = redis.call('XRANGE', KEYS[1], entry_id, entry_id)
+      local same = false
+      if #entry == 1 then
+        local fields = entry[1][2]
+        for f = 1, #fields, 2 do
+          if fields[f] == 'n' and fields[f + 1] == nonce then
+            same = true
+          end
+        end
+      end
+      if not same then
+        redis.call('DEL', KEYS[4 + n + i])
+      end
+    end
+  elseif room > 0 then
+    if stored then
+      redis.call('PERSIST', KEYS[4 + n + i])
+      entry_id = redis.call('XADD', KEYS[1], '*', 'i', ARGV[4 + i], 'n', nonce)
+    else
+      entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[4 + n + i])
+    end
     redis.call('SET', KEYS[4 + i], entry_id, 'PX', ARGV[2])
-    redis.call('HSET', KEYS[2], entry_id, ARGV[3 + i])
+    redis.call('HSET', KEYS[2], entry_id, ARGV[4 + i])
     room = room - 1
     appended = appended + 1
+  elseif stored then
+    redis.call('DEL', KEYS[4 + n + i])
   end
   replies[i] = entry_id or 0
 end
@@ -120,11 +158,12 @@ end
 return replies
 """
 
-# KEYS: the stream, the trained set, entry_groups, the room baton. ARGV: consumer group, number n of entries, their n
-# ids, then the group ids to record as trained (none when dropping). Acks and deletes the entries (and their
-# entry_groups fields) and records the group ids in one step: a group is never acked without being recorded. The room
-# it frees wakes one waiting producer (the baton). At most 1000 ids a command (Lua's unpack is limited by its stack).
-# Returns the stream's length after (a hint for the consumer's read-ahead).
+# KEYS: the stream, the trained set, entry_groups, the room baton, then the payload keys of the entries (those stored
+# apart). ARGV: consumer group, number n of entries, their n ids, then the group ids to record as trained (none when
+# dropping). Acks and deletes the entries (their entry_groups fields and payload keys too) and records the group ids in
+# one step: a group is never acked without being recorded. The room it frees wakes one waiting producer (the baton). At
+# most 1000 ids a command (Lua's unpack is limited by its stack). Returns the stream's length after (a hint for the
+# consumer's read-ahead).
 RETIRE = """
 local n = tonumber(ARGV[2])
 for first = 3, n + 2, 1000 do
@@ -135,6 +174,9 @@ for first = 3, n + 2, 1000 do
 end
 for first = n + 3, #ARGV, 1000 do
   redis.call('SADD', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+for first = 5, #KEYS, 1000 do
+  redis.call('DEL', unpack(KEYS, first, math.min(first + 999, #KEYS)))
 end
 if n > 0 and redis.call('LLEN', KEYS[4]) == 0 then
   redis.call('RPUSH', KEYS[4], 1)

@@ -308,3 +308,54 @@ def test_a_read_with_groups_to_hand_out_does_not_wait_for_more(redis_server, que
     consumer.read(1, 100)  # g3, then the consumer stops without committing; it restarts
     assert [c.group.group_id for c in _consumer(redis_server, queue_keys, "learner-0").read(2, 5000)] == ["g2", "g3"]
     assert time.monotonic() - start < 2.5  # neither read waited its 5 s for a new entry
+
+
+def _payload_keys(client, keys: QueueKeys) -> list[bytes]:
+    return sorted(client.scan_iter(match=f"{keys.prefix}:payload:*"))
+
+
+def test_a_large_group_travels_apart_and_its_payload_goes_at_commit(redis_server, queue_keys, monkeypatch) -> None:
+    monkeypatch.setattr(stream, "INLINE_MAX_BYTES", 0)  # every group is "large"
+    producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
+    groups = [make_group([3, 5], seed=i) for i in range(2)]
+    producer.push(groups)
+    fields = [fields for _, fields in producer.client.xrange(queue_keys.stream)]
+    assert [sorted(f) for f in fields] == [[b"i", b"n"]] * 2 and [f[b"i"] for f in fields] == [b"g0", b"g1"]
+    stored = _payload_keys(producer.client, queue_keys)
+    assert len(stored) == 2 and all(producer.client.pttl(key) == -1 for key in stored)  # no expiry once appended
+    got = consumer.read(2, 100)
+    assert [encode_group(c.group) for c in got] == [encode_group(g) for g in groups]
+    consumer.commit(got)
+    assert _payload_keys(producer.client, queue_keys) == [] and consumer.backlog() == 0
+
+
+def test_payloads_of_refused_or_repeated_pushes_are_not_left_behind(redis_server, queue_keys, monkeypatch) -> None:
+    monkeypatch.setattr(stream, "INLINE_MAX_BYTES", 0)
+    producer, consumer = _producer(redis_server, queue_keys, max_backlog=1), _consumer(redis_server, queue_keys, "a")
+    producer._room = 100  # a stale view of the room: both payloads are sent, the script refuses g1
+    assert list(producer.try_push([make_group([2], seed=0), make_group([2], seed=1)])) == ["g0"]
+    assert len(_payload_keys(producer.client, queue_keys)) == 1
+    producer._room = 100
+    assert list(producer.try_push([make_group([2], seed=0)])) == ["g0"]  # pushed before: this call's copy is dropped
+    assert len(_payload_keys(producer.client, queue_keys)) == 1
+    consumer.commit(consumer.read(1, 100))
+    producer._room = 100
+    assert list(producer.try_push([make_group([2], seed=0)])) == ["g0"]  # consumed since: nothing is kept
+    assert _payload_keys(producer.client, queue_keys) == []
+    # A retried call (same nonce, as after a lost reply) keeps its payload: its entry refers to it.
+    monkeypatch.setattr(stream.secrets, "token_hex", lambda n: "ab" * n)
+    assert producer._append([make_group([2], seed=2)]) == producer._append([make_group([2], seed=2)])
+    assert [c.group.group_id for c in consumer.read(2, 100)] == ["g2"]
+
+
+def test_an_entry_with_a_missing_or_mismatched_payload_is_dead_lettered(redis_server, queue_keys) -> None:
+    client = connect(redis_server.url, redis_server.password)
+    consumer = _consumer(redis_server, queue_keys, "a")
+    client.xadd(queue_keys.stream, {"i": "gX", "n": "abcd"})  # nothing stored under it
+    client.set(queue_keys.payload("abcd", "gY"), encode_group(make_group([2], seed=1)))
+    client.xadd(queue_keys.stream, {"i": "gY", "n": "abcd"})  # the payload is g1's
+    _producer(redis_server, queue_keys).push([make_group([2], seed=2)])
+    assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2"]
+    reasons = [fields[b"reason"] for _, fields in client.xrange(queue_keys.dead_letters)]
+    assert len(reasons) == 2 and b"missing" in reasons[0] and b"names group 'gY'" in reasons[1]
+    assert _payload_keys(client, queue_keys) == []  # the mismatched payload went with its dead letter
