@@ -5,15 +5,16 @@ Usage: `python benchmarks/queue_throughput.py [--quick] [--tokens 1024 ...] [--p
 
 Groups of 8 responses x 1k/4k/16k tokens (int32 ids, float32 logprobs, int32 versions, 256 prompt
 tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and consumed by one reader
-in this process, on an embedded server (appendfsync everysec, the default). streamrl mode:
-`TrajectoryProducer.push` (encode + one idempotent, bounded append script call per 8 groups) and
+in this process, on an embedded server (appendfsync everysec, the default), 256 MB a run. streamrl mode:
+`TrajectoryProducer.push` (encode; into a backlog more than half full, claim places first; then one round
+trip: a SET of each group over 128 KB and the idempotent, bounded append script for 8 groups) and
 `TrajectoryConsumer.read` + `commit` (XREADGROUP with the trained-set check script in the same round
-trip, decode, then one atomic script call for XACK/XDEL/SADD, which under load also reads the next 8
-groups ahead in its round trip). Raw mode: pre-encoded bytes of the
-same sizes, XADD pipelined 8 per round trip, XREADGROUP count 8 then XACK+XDEL pipelined. Both read
-8 groups a round trip through the same client settings. The modes alternate run by run and each
-number is the median of the repeats. Also measured: the queue time of one learner step of the tiny
-config (read + commit of 8 groups of 8 x 12 tokens).
+trip, an MGET of the payloads stored apart, decode, then one atomic script call for XACK/XDEL/SADD, which
+under load also reads the next 8 groups ahead in its round trip). Raw mode: pre-encoded bytes of the
+same sizes, XADD pipelined 8 per round trip (no backlog bound), XREADGROUP count 8 then XACK+XDEL
+pipelined. Both go through the same client. The modes alternate run by run and each number is the
+median of the repeats. Also measured: the queue time of one learner step of the tiny config (read +
+commit of 8 groups of 8 x 12 tokens).
 """
 
 from __future__ import annotations
