@@ -47,6 +47,7 @@ RESPONSES, PROMPT_TOKENS, BATCH = 8, 256, 8  # BATCH: groups per push round trip
 TOKENS = (1024, 4096, 16384)
 PRODUCERS = (1, 2, 4)
 MAX_ENTRY_BYTES = 64 << 20
+MAX_BACKLOG = 256  # queue.max_backlog's default
 LEARNER_STEP_S = 0.13
 OUT = Path(__file__).resolve().parent / "results" / "queue_throughput.json"
 
@@ -67,9 +68,9 @@ def producer_main(url: str, password: str, jobs: Queue, ready: Queue, go: Event)
     """One producer process: for each job, prepare, report ready, wait for `go`, push, report done."""
     client = connect(url, password)
     while (job := jobs.get()) is not None:
-        mode, prefix, tokens, count, tag = job
+        mode, prefix, tokens, count, tag, max_backlog = job
         keys, groups = QueueKeys(prefix), make_groups(tokens, count, tag)
-        producer = TrajectoryProducer(client, keys, max_backlog=256, wait_timeout_s=120)
+        producer = TrajectoryProducer(client, keys, max_backlog=max_backlog, wait_timeout_s=120)
         payloads = [encode_group(g) for g in groups] if mode == "raw" else []
         ready.put("ready")
         go.wait()
@@ -114,7 +115,7 @@ def run_once(ctx: dict, mode: str, tokens: int, producers: int, per_producer: in
         client.xgroup_create(keys.stream, "learners", id="0", mkstream=True)
     ctx["go"].clear()
     for i in range(producers):
-        workers[i][0].put((mode, keys.prefix, tokens, per_producer, f"r{run}p{i}"))
+        workers[i][0].put((mode, keys.prefix, tokens, per_producer, f"r{run}p{i}", ctx["max_backlog"]))
     for _ in range(producers):
         assert ctx["ready"].get(timeout=120) == "ready"
     start = time.perf_counter()
@@ -133,7 +134,7 @@ def run_once(ctx: dict, mode: str, tokens: int, producers: int, per_producer: in
 def tiny_step_times(client: redis.Redis, steps: int) -> list[float]:
     """Queue time of one learner step of the tiny config: read + commit of 8 groups of 8 x ~12-token responses."""
     keys = QueueKeys("bench-tiny")
-    producer = TrajectoryProducer(client, keys, max_backlog=256, wait_timeout_s=10)
+    producer = TrajectoryProducer(client, keys, max_backlog=MAX_BACKLOG, wait_timeout_s=10)
     consumer = TrajectoryConsumer(client, keys, "learner-0", 60_000, MAX_ENTRY_BYTES)
     times = []
     for step in range(steps):
@@ -185,6 +186,9 @@ def main() -> None:
     parser.add_argument("--producers", type=int, nargs="+", default=PRODUCERS, help="producer counts (default: all)")
     parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 5, --quick 1)")
     parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
+    parser.add_argument("--max-backlog", type=int, default=MAX_BACKLOG,
+                        help=f"streamrl producers' backlog bound (default {MAX_BACKLOG}, the config's; the raw loop "
+                             "has none: a bound above a run's groups measures the queue without its flow control)")
     args = parser.parse_args()
     repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (5, 256, 300)
     repeats = args.repeats or repeats
@@ -199,7 +203,7 @@ def main() -> None:
             process = mp.Process(target=producer_main, args=(server.url, server.password, jobs, ready, go))
             process.start()
             workers.append((jobs, process))
-        ctx = {"client": client, "workers": workers, "ready": ready, "go": go}
+        ctx = {"client": client, "workers": workers, "ready": ready, "go": go, "max_backlog": args.max_backlog}
         rows = []
         try:
             for tokens in args.tokens:
@@ -234,8 +238,8 @@ def main() -> None:
     print("codec (one process):", json.dumps(codec))
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
               "command": " ".join(["python", "benchmarks/queue_throughput.py", *sys.argv[1:]]),
-              "appendfsync": "everysec", "repeats": repeats, "rows": rows, "tiny_step": tiny,
-              "codec": codec}  # fmt: skip
+              "appendfsync": "everysec", "repeats": repeats, "max_backlog": args.max_backlog, "rows": rows,
+              "tiny_step": tiny, "codec": codec}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
