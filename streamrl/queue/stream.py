@@ -68,8 +68,7 @@ PUSH_MARKER_TTL_MS = 3_600_000
 PUSH_CALL_MAX_BYTES = 1 << 20
 # A group's wire bytes up to this size travel inside its stream entry (through the append script); larger ones are SET
 # apart, which costs the server about half as much per byte, and the entry refers to them (a read then fetches them in
-# a second round trip: for 8 groups of 100 KB the two ways measured alike, for 400 KB the bytes apart 0.85 of the raw
-# loop's rate against 0.68).
+# a second round trip: in alternating benchmark runs, 8 groups of 100 KB went faster inline, 400 KB ones apart).
 INLINE_MAX_BYTES = 128 << 10
 # A payload SET before its append script runs expires unless the script appends it (PERSIST): only a producer dying
 # in between leaves one behind.
