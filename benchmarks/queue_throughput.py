@@ -48,7 +48,9 @@ TOKENS = (1024, 4096, 16384)
 PRODUCERS = (1, 2, 4)
 MAX_ENTRY_BYTES = 64 << 20
 MAX_BACKLOG = 256  # queue.max_backlog's default
-LEARNER_STEP_S = 0.13
+# Median perf/step_time_s of `streamrl train -c configs/tiny.yaml` on this machine (200 steps, 2026-11-23; an earlier
+# constant, 0.13 s, had no recorded measurement behind it).
+LEARNER_STEP_S = 0.21
 OUT = Path(__file__).resolve().parent / "results" / "queue_throughput.json"
 
 
