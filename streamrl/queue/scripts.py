@@ -4,19 +4,20 @@ They are sent with EVAL (not EVALSHA): a restarted server has an empty script ca
 EVALSHA would fail with NOSCRIPT. Each takes its key names in KEYS (an ACL user scoped to the run's
 prefix may run them) and is safe to run twice, as a retry after a lost reply does.
 
-Keys they share (see `stream.QueueKeys`): the stream of entries, `{g: wire bytes}` for a small group and
-`{i: group id, n: push nonce}` for a large one, whose bytes are a payload key of their own, written by a plain
-SET (Redis keeps the received buffer as it is; a payload passed through a script is copied into Lua and back and
-logged to the AOF as the script's effect: about twice the server's time of the SET for 1.5 MB, measured);
-`entry_groups`, a
-hash from the id of each entry appended by PUSH to its group id, which lets CHECK look up groups
-without reading their payloads; the trained set of group ids; one push marker per group (the entry id
-it was appended as); the claims hash, places in the backlog reserved by a producer (CLAIM) for its next PUSH, so
-that producers pushing into a nearly full backlog send only payloads that fit (each claim expires: a producer that
-dies holding one costs the others a wait, never a place); the room baton, a list holding at most one token, pushed
-when room is freed (or left over by a push) and popped by a producer waiting for room: waiters wake one at a time.
-The baton is only a wake-up, and a waiter also looks again after a short timeout, so a token lost with a crashed
-producer costs a wait, never a group.
+Keys they share (see `stream.QueueKeys`):
+- the stream of entries: `{g: wire bytes}` for a small group, `{i: group id, n: push nonce}` for a large one,
+  whose bytes are a payload key of their own, written by a plain SET (Redis keeps the received buffer as it
+  is; a payload passed through a script is copied into Lua and back and logged to the AOF as the script's
+  effect: about twice the server's time of the SET for 1.5 MB, measured);
+- `entry_groups`, a hash from the id of each entry appended by PUSH to its group id, which lets CHECK look up
+  groups without reading their payloads;
+- the trained set of group ids; one push marker per group (the entry id it was appended as);
+- the claims hash: places in the backlog reserved by a producer (CLAIM) for its next PUSH, so that producers
+  pushing into a nearly full backlog send only payloads that fit (each claim expires: a producer that dies
+  holding one costs the others a wait, never a place);
+- the room baton, a list holding at most one token, pushed when room is freed (or left over by a push) and
+  popped by a producer waiting for room: waiters wake one at a time. It is only a wake-up, and a waiter also
+  looks again after a short timeout, so a token lost with a crashed producer costs a wait, never a group.
 """
 
 # Shared by CLAIM and PUSH: the server's clock in ms, and the places claimed by producers other than `token` (claims
