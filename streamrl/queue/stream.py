@@ -25,11 +25,13 @@ Delivery contract (the Lua scripts are in `scripts.py`):
 - `TrajectoryConsumer.commit` runs after the optimizer step: in one atomic script call it acks and
   deletes the entries (and their payload keys) and records their group ids in the trained set, so a
   redelivery is recognised.
-  When the stream held more than this consumer has in hand, the same round trip reads the next
-  read's worth of new entries ahead (with their check), and the next `read` starts with them: a busy
-  learner's step costs one round trip (two with payloads stored apart). Entries read ahead are pending
-  like any read entry; a `read` after a pause of half `reclaim_idle_ms` lets them go to the reclaim
-  pass (another consumer may already have them) instead of handing them out.
+  When the stream held more than this consumer has in hand, the same round trip tops up the entries
+  read ahead (with their check) to two reads' worth, and the next `read` starts with them: a busy
+  learner's step costs one round trip (two with payloads stored apart). While that round trip is in
+  flight the consumer decodes the entries the next `read` hands out (`overlap.py`), so the decode and
+  the server's work proceed side by side. Entries read ahead are pending like any read entry; a `read`
+  after a pause of half `reclaim_idle_ms` lets them go to the reclaim pass (another consumer may
+  already have them) instead of handing them out.
 
 Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
 for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
@@ -57,6 +59,7 @@ from redis.connection import PythonRespSerializer
 from streamrl.config import QueueConfig
 from streamrl.queue import scripts
 from streamrl.queue.codec import MAX_ID_CHARS, DecodeError, decode_group, encode_group
+from streamrl.queue.overlap import execute_overlapped
 from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
 
@@ -307,12 +310,13 @@ class TrajectoryConsumer:
         self._payload_keys: dict[str, str] = {}  # entry id -> payload key, of entries handed out whose bytes are apart
         self._reclaim_due = 0.0  # monotonic time of the next reclaim pass
         self._newest_seen = (0, 0)  # largest entry id this consumer has been handed, as (ms, seq)
-        # Read ahead by `commit` (new entries, pending under this consumer, not yet decoded nor handed out), with the
-        # check script's answers for them and when they were read; the next `read` starts with them.
-        self._ahead: list[tuple[bytes, dict[bytes, bytes]]] = []
+        # Read ahead by `commit` (new entries, pending under this consumer, not yet handed out), each with the
+        # monotonic time it was read, the check script's answers for them, and their groups as decoded while a later
+        # commit was in flight (or the DecodeError); the next `read` starts with them.
+        self._ahead: list[tuple[bytes, dict[bytes, bytes], float]] = []
         self._ahead_checked: dict[str, bool] = {}
-        self._ahead_at = 0.0
-        self._read_size = 0  # `count` of the last read: how many a commit reads ahead
+        self._ahead_decoded: dict[bytes, TrajectoryGroup | DecodeError] = {}
+        self._read_size = 0  # `count` of the last read: a commit keeps up to two reads' worth ahead
         self._more_likely = True  # the last commit left entries in the stream beyond the ones this consumer holds
         try:
             client.xgroup_create(keys.stream, CONSUMER_GROUP, id="0", mkstream=True)
@@ -331,16 +335,16 @@ class TrajectoryConsumer:
             own = own[0][1] if own else []
             entries += [e for e in own if e[1]]  # an entry deleted while pending comes back without fields
             self._own_pending_from = own[-1][0].decode() if len(own) == count else None
-        if self._ahead and time.monotonic() - self._ahead_at > self.reclaim_idle_ms / 2000:
+        if self._ahead and time.monotonic() - self._ahead[0][2] > self.reclaim_idle_ms / 2000:
             # Read ahead before a long pause (a checkpoint?): they may soon be reclaimed by another consumer. Leave
             # them pending: once idle, the reclaim pass hands them to whoever asks first, this consumer included.
-            self._ahead, self._ahead_checked = [], {}
+            self._ahead, self._ahead_checked, self._ahead_decoded = [], {}, {}
         if len(entries) < count and time.monotonic() >= self._reclaim_due:
             wanted = count - len(entries)
             reply = self.client.xautoclaim(
                 self.keys.stream, CONSUMER_GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=wanted
             )
-            ahead = {raw_id for raw_id, _ in self._ahead}
+            ahead = {raw_id for raw_id, _, _ in self._ahead}
             # Redis 6.2 answers [cursor, entries], 7+ adds deleted ids; deleted entries come back empty.
             entries += [e for e in reply[1] if e and e[1] and e[0].decode() not in self._in_hand and e[0] not in ahead]
             if len(reply[1]) < wanted:
@@ -350,11 +354,10 @@ class TrajectoryConsumer:
         checked: dict[str, bool] = {}  # entry id -> trained, for the entries the check script answered for
         if len(entries) < count and self._ahead:
             split = count - len(entries)
-            entries += self._ahead[:split]
-            self._ahead = self._ahead[split:]
-            checked = self._ahead_checked  # answers for every entry read ahead; `_decode` looks up the ones taken
-            if not self._ahead:
-                self._ahead_checked = {}
+            taken, self._ahead = self._ahead[:split], self._ahead[split:]
+            entries += [(raw_id, fields) for raw_id, fields, _ in taken]
+            checked = {entry_id: self._ahead_checked.pop(entry_id) for raw_id, _, _ in taken
+                       if (entry_id := raw_id.decode()) in self._ahead_checked}  # fmt: skip
         if len(entries) < count and not self._ahead:  # entries read ahead come before any new one
             self._note_seen(entries)
             pipe = self.client.pipeline(transaction=False)
@@ -400,11 +403,14 @@ class TrajectoryConsumer:
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
             data = fields.get(b"g", stored.get(entry_id))
+            decoded = self._ahead_decoded.pop(raw_id, None)
             try:
+                if isinstance(decoded, DecodeError):
+                    raise decoded
                 if data is None:
                     raise DecodeError(f"payload: {refs[entry_id]} missing" if entry_id in refs else
                                       f"entry: no 'g' field nor payload reference (fields: {sorted(fields)[:4]})")
-                group = decode_group(data, self.max_entry_bytes)
+                group = decoded or decode_group(data, self.max_entry_bytes)
                 named = fields[b"i"].decode() if entry_id in refs else group.group_id
                 if group.group_id != named:
                     raise DecodeError(f"i: the entry names group {named!r}, its payload {group.group_id!r}")
@@ -473,13 +479,27 @@ class TrajectoryConsumer:
         pipe = self.client.pipeline(transaction=False)
         pipe.eval(*args)
         self._queue_new_read(pipe, read_ahead, None)
-        length, reply, flags = pipe.execute(raise_on_error=False)
+        # While the server works on it, decode what the last commit read ahead (the next `read` hands it out).
+        length, reply, flags = execute_overlapped(pipe, self._decode_ahead)
         if isinstance(length, Exception):
             raise length
-        self._ahead, self._ahead_checked = self._new_entries(reply, flags)
-        self._ahead_at = time.monotonic()
-        self._note_seen(self._ahead)
+        new, new_checked = self._new_entries(reply, flags)
+        now = time.monotonic()
+        self._ahead += [(raw_id, fields, now) for raw_id, fields in new]
+        self._ahead_checked |= new_checked
+        self._note_seen(new)
         return int(length)
+
+    def _decode_ahead(self) -> None:
+        """Decode the groups of the entries read ahead that carry their bytes (a payload stored apart is fetched,
+        and its group decoded, when it is handed out)."""
+        for raw_id, fields, _ in self._ahead:
+            data = fields.get(b"g")
+            if data is not None and raw_id not in self._ahead_decoded:
+                try:
+                    self._ahead_decoded[raw_id] = decode_group(data, self.max_entry_bytes)
+                except DecodeError as exc:
+                    self._ahead_decoded[raw_id] = exc
 
     def drop(self, consumed: list[ConsumedGroup]) -> None:
         """Ack groups refused at admission (too stale); they are not recorded as trained."""
@@ -490,13 +510,14 @@ class TrajectoryConsumer:
     def commit(self, consumed: list[ConsumedGroup]) -> None:
         """After the optimizer step: atomically ack + delete the entries and record their group ids.
 
-        When the last commit left more entries in the stream than this consumer holds, the same round trip reads
-        the next `read`'s worth of new entries ahead (not blocking): a busy learner's step then costs one round trip.
+        When the last commit left more entries in the stream than this consumer holds, the same round trip tops up
+        the entries read ahead to two `read`s' worth (not blocking), and the entries the next `read` hands out are
+        decoded while it is in flight: a busy learner's step then costs one round trip.
         """
         if consumed:
             # Not during the pass over own pending entries after a restart: it would meet the entries read ahead.
-            idle = self._more_likely and not self._ahead and self._own_pending_from is None
-            read_ahead = self._read_size if idle else 0
+            room = 2 * self._read_size - len(self._ahead)
+            read_ahead = max(room, 0) if self._more_likely and self._own_pending_from is None else 0
             length = self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed], read_ahead)
             self._release(consumed)
             # The stream holds pending (this consumer's and others') and unread entries: a guess, refreshed each step.

@@ -259,19 +259,30 @@ def test_entry_groups_hold_only_entries_still_in_the_stream(redis_server, queue_
     assert client.hvals(queue_keys.entry_groups) == [b"g3"] and consumer.backlog() == 1
 
 
-def test_a_commit_reads_the_next_batch_ahead_in_its_round_trip(redis_server, queue_keys) -> None:
+def test_a_commit_reads_ahead_and_decodes_the_next_batch_while_in_flight(redis_server, queue_keys,
+                                                                        monkeypatch) -> None:  # fmt: skip
     producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
-    producer.push([make_group([2], seed=i) for i in range(6)])
+    producer.push([make_group([2], seed=i) for i in range(10)])
+    decoded: list[str] = []  # group ids, in the order the consumer decodes them
+    decode = stream.decode_group
+    monkeypatch.setattr(stream, "decode_group", lambda data, limit: decoded.append(decode(data, limit).group_id)
+                        or decode(data, limit))  # fmt: skip
     batches = [consumer.read(2, 100)]
-    for _ in range(2):
-        reads = _calls(producer.client, "xreadgroup")
-        consumer.commit(batches[-1])
-        assert _calls(producer.client, "xreadgroup") == reads + 1  # the commit read ahead ...
-        batches.append(consumer.read(2, 100))
-        assert _calls(producer.client, "xreadgroup") == reads + 1  # ... so the read needed no round trip
-    assert [[c.group.group_id for c in b] for b in batches] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
-    consumer.commit(batches[-1])  # the stream held nothing beyond the batch read ahead: no read-ahead now
-    assert _calls(producer.client, "xreadgroup") == reads + 1 and consumer.backlog() == 0
+    reads = _calls(producer.client, "xreadgroup")
+    consumer.commit(batches[-1])  # reads two reads' worth ahead: g2..g5
+    assert _calls(producer.client, "xreadgroup") == reads + 1
+    for ahead in (["g4", "g5"], ["g6", "g7"]):  # the read-ahead grows to g7, then g9
+        batches.append(consumer.read(2, 100))  # no round trip: it was read ahead
+        assert _calls(producer.client, "xreadgroup") == reads + 1
+        consumer.commit(batches[-1])  # tops the read-ahead up, decoding the batch the next read hands out
+        reads += 1
+        assert _calls(producer.client, "xreadgroup") == reads + 1 and decoded[-2:] == ahead
+    batches += [consumer.read(2, 100), consumer.read(2, 100)]
+    assert [[c.group.group_id for c in b] for b in batches] == [[f"g{i}", f"g{i + 1}"] for i in range(0, 10, 2)]
+    assert sorted(decoded) == sorted(f"g{i}" for i in range(10))  # each once
+    assert _calls(producer.client, "xreadgroup") == reads + 1  # the stream held nothing more: no read-ahead
+    consumer.commit(batches[-2] + batches[-1])
+    assert consumer.backlog() == 0
 
 
 def test_entries_read_ahead_before_a_long_pause_go_to_whoever_reclaims_them(redis_server, queue_keys) -> None:
