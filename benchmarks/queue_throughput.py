@@ -5,16 +5,18 @@ Usage: `python benchmarks/queue_throughput.py [--quick] [--tokens 1024 ...] [--p
 
 Groups of 8 responses x 1k/4k/16k tokens (int32 ids, float32 logprobs, int32 versions, 256 prompt
 tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and consumed by one reader
-in this process, on an embedded server (appendfsync everysec, the default), 256 MB a run. streamrl mode:
+in this process, on an embedded server (appendfsync everysec, the default), 512 MB a run. streamrl mode:
 `TrajectoryProducer.push` (encode; into a backlog more than half full, claim places first; then one round
 trip: a SET of each group over 128 KB and the idempotent, bounded append script for 8 groups) and
 `TrajectoryConsumer.read` + `commit` (XREADGROUP with the trained-set check script in the same round
 trip, an MGET of the payloads stored apart, decode, then one atomic script call for XACK/XDEL/SADD, which
-under load also reads the next 8 groups ahead in its round trip). Raw mode: pre-encoded bytes of the
+under load also keeps two reads' worth of entries read ahead in its round trip and decodes the next
+read's groups while it is in flight). Raw mode: pre-encoded bytes of the
 same sizes, XADD pipelined 8 per round trip (no backlog bound), XREADGROUP count 8 then XACK+XDEL
 pipelined. Both go through the same client. The modes alternate run by run and each number is the
-median of the repeats. Also measured: the queue time of one learner step of the tiny config (read +
-commit of 8 groups of 8 x 12 tokens).
+median of the repeats (7: single runs on a shared VM vary by a factor of up to 2; the table also gives
+the range of the ratios of the runs paired in time). Also measured: the queue time of one learner step
+of the tiny config (read + commit of 8 groups of 8 x 12 tokens).
 """
 
 from __future__ import annotations
@@ -186,13 +188,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer bytes and repeats (a smoke run, ~30 s)")
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="tokens per response (default: all)")
     parser.add_argument("--producers", type=int, nargs="+", default=PRODUCERS, help="producer counts (default: all)")
-    parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 5, --quick 1)")
+    parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 7, --quick 1)")
     parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
     parser.add_argument("--max-backlog", type=int, default=MAX_BACKLOG,
                         help=f"streamrl producers' backlog bound (default {MAX_BACKLOG}, the config's; the raw loop "
                              "has none: a bound above a run's groups measures the queue without its flow control)")
     args = parser.parse_args()
-    repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (5, 256, 300)
+    repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (7, 512, 300)
     repeats = args.repeats or repeats
     mp = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="queue-bench-") as data_dir, EmbeddedRedis(Path(data_dir)) as server:
@@ -250,10 +252,11 @@ def main() -> None:
 def format_row(row: dict) -> str:
     return (f"| {row['tokens'] // 1024}k | {row['producers']} | {row['group_mb']:.2f} | {row['groups']} | "
             f"{row['streamrl_groups_s']:.0f} | {row['streamrl_mb_s']:.0f} | {row['raw_groups_s']:.0f} | "
-            f"{row['raw_mb_s']:.0f} | {row['ratio']:.2f} |")  # fmt: skip
+            f"{row['raw_mb_s']:.0f} | {row['ratio']:.2f} | {min(row['run_ratios']):.2f}-{max(row['run_ratios']):.2f} |"
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
     print("| tokens/response | producers | MB/group | groups | streamrl groups/s | streamrl MB/s | "
-          "raw groups/s | raw MB/s | ratio |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "raw groups/s | raw MB/s | ratio | run ratios |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     main()
