@@ -379,3 +379,15 @@ def test_a_group_listed_twice_in_one_append_gets_one_entry(redis_server, queue_k
     accepted = producer.try_push([make_group([2], seed=5), make_group([2], seed=6), make_group([2], seed=5)])
     assert sorted(accepted) == ["g5", "g6"] and producer.client.xlen(queue_keys.stream) == 2
     assert producer.client.hlen(queue_keys.entry_groups) == 2
+
+
+def test_the_command_packer_sends_payloads_uncopied_and_packs_small_commands_in_one_buffer() -> None:
+    packer = stream._COMMAND_PACKER
+    payload = bytes(range(256)) * 100  # 25.6 KB: a payload
+    chunks = packer.pack("EVAL", "return 1", 1, "k", payload, 7)
+    assert any(chunk is payload for chunk in chunks)  # handed to the socket as it is
+    assert b"".join(chunks) == b"".join(
+        [b"*6\r\n$4\r\nEVAL\r\n$8\r\nreturn 1\r\n$1\r\n1\r\n$1\r\nk\r\n", b"$25600\r\n", payload, b"\r\n$1\r\n7\r\n"]
+    )
+    small = packer.pack("XACK", "s", "learners", "1-0", 2.5)
+    assert small == [b"*5\r\n$4\r\nXACK\r\n$1\r\ns\r\n$8\r\nlearners\r\n$3\r\n1-0\r\n$3\r\n2.5\r\n"]
