@@ -426,7 +426,7 @@ class TrajectoryConsumer:
                 if data is None:
                     raise DecodeError(f"payload: {refs[entry_id]} missing" if entry_id in refs else
                                       f"entry: no 'g' field nor payload reference (fields: {sorted(fields)[:4]})")
-                group = decoded or decode_group(data, self.max_entry_bytes)
+                group = decoded if decoded is not None else decode_group(data, self.max_entry_bytes)
                 named = fields[b"i"].decode() if entry_id in refs else group.group_id
                 if group.group_id != named:
                     raise DecodeError(f"i: the entry names group {named!r}, its payload {group.group_id!r}")
