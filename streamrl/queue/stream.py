@@ -326,11 +326,10 @@ class TrajectoryConsumer:
         self._payload_keys: dict[str, str] = {}  # entry id -> payload key, of entries handed out whose bytes are apart
         self._reclaim_due = 0.0  # monotonic time of the next reclaim pass
         self._newest_seen = (0, 0)  # largest entry id this consumer has been handed, as (ms, seq)
-        # Read ahead by `commit` (new entries, pending under this consumer, not yet handed out), each with the
-        # monotonic time it was read, the check script's answers for them, and their groups as decoded while a later
-        # commit was in flight (or the DecodeError); the next `read` starts with them.
-        self._ahead: list[tuple[bytes, dict[bytes, bytes], float]] = []
-        self._ahead_checked: dict[str, bool] = {}
+        # Read ahead by `commit` (new entries, pending under this consumer, not yet handed out): each with the
+        # monotonic time it was read and the check script's answer (trained or not; None if it gave none), and
+        # their groups as decoded while a later commit was in flight (or the DecodeError); `read` starts with them.
+        self._ahead: list[tuple[bytes, dict[bytes, bytes], float, bool | None]] = []
         self._ahead_decoded: dict[bytes, TrajectoryGroup | DecodeError] = {}
         self._read_size = 0  # `count` of the last read: a commit keeps up to two reads' worth ahead
         self._more_likely = True  # the last commit left entries in the stream beyond the ones this consumer holds
@@ -354,13 +353,13 @@ class TrajectoryConsumer:
         if self._ahead and time.monotonic() - self._ahead[0][2] > self.reclaim_idle_ms / 2000:
             # Read ahead before a long pause (a checkpoint?): they may soon be reclaimed by another consumer. Leave
             # them pending: once idle, the reclaim pass hands them to whoever asks first, this consumer included.
-            self._ahead, self._ahead_checked, self._ahead_decoded = [], {}, {}
+            self._ahead, self._ahead_decoded = [], {}
         if len(entries) < count and time.monotonic() >= self._reclaim_due:
             wanted = count - len(entries)
             reply = self.client.xautoclaim(
                 self.keys.stream, CONSUMER_GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=wanted
             )
-            ahead = {raw_id for raw_id, _, _ in self._ahead}
+            ahead = {raw_id for raw_id, *_ in self._ahead}
             # Redis 6.2 answers [cursor, entries], 7+ adds deleted ids; deleted entries come back empty.
             entries += [e for e in reply[1] if e and e[1] and e[0].decode() not in self._in_hand and e[0] not in ahead]
             if len(reply[1]) < wanted:
@@ -371,9 +370,8 @@ class TrajectoryConsumer:
         if len(entries) < count and self._ahead:
             split = count - len(entries)
             taken, self._ahead = self._ahead[:split], self._ahead[split:]
-            entries += [(raw_id, fields) for raw_id, fields, _ in taken]
-            checked = {entry_id: self._ahead_checked.pop(entry_id) for raw_id, _, _ in taken
-                       if (entry_id := raw_id.decode()) in self._ahead_checked}  # fmt: skip
+            entries += [(raw_id, fields) for raw_id, fields, _, _ in taken]
+            checked = {raw_id.decode(): trained for raw_id, _, _, trained in taken if trained is not None}
         if len(entries) < count and not self._ahead:  # entries read ahead come before any new one
             self._note_seen(entries)
             pipe = self.client.pipeline(transaction=False)
@@ -501,15 +499,14 @@ class TrajectoryConsumer:
             raise length
         new, new_checked = self._new_entries(reply, flags)
         now = time.monotonic()
-        self._ahead += [(raw_id, fields, now) for raw_id, fields in new]
-        self._ahead_checked |= new_checked
+        self._ahead += [(raw_id, fields, now, new_checked.get(raw_id.decode())) for raw_id, fields in new]
         self._note_seen(new)
         return int(length)
 
     def _decode_ahead(self) -> None:
         """Decode the groups of the entries read ahead that carry their bytes (a payload stored apart is fetched,
         and its group decoded, when it is handed out)."""
-        for raw_id, fields, _ in self._ahead:
+        for raw_id, fields, _, _ in self._ahead:
             data = fields.get(b"g")
             if data is not None and raw_id not in self._ahead_decoded:
                 try:
