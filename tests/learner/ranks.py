@@ -1,5 +1,8 @@
 """Helpers for learner tests: a free rendezvous port and spawned gloo ranks with bounded joins.
 
+A test that runs several worlds one after another in the same ranks takes each next world's port with
+`next_world_port` just before the current world ends.
+
 `run_ranks(target, world_size, args, out_dir, timeout_s)` starts `target(rank, port, *args, out_dir)` in
 `world_size` spawned processes (OMP_NUM_THREADS=1: the test machine has few cores), joins each within
 `timeout_s`, kills (by handle) any that hangs, and fails with the traceback a rank wrote to `out_dir/error-R.txt`.
@@ -23,6 +26,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def next_world_port(rank: int) -> int:
+    """In a rank of a running world: a port for the world that follows, chosen by rank 0 now and sent to every rank
+    over this one (a port chosen up front may be taken meanwhile, e.g. as an ephemeral port of a world's own
+    connections)."""
+    import torch.distributed as dist
+
+    port = [free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    return port[0]
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from streamrl.learner.pipeline import run_microbatches
 from streamrl.models.tiny import write_tiny_model
 from streamrl.types import MicroBatch
 from tests.learner.grads import complete, grads_by_hf_name, wrap
-from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, free_port, next_world_port, record_errors, run_ranks
 
 MICROBATCH_LENGTHS = ((7, 5), (9,), (4, 6, 3), (8,))  # sequences per packed micro-batch (an even count: DP=2)
 
@@ -97,14 +97,15 @@ def _reference(model_dir: Path) -> dict:
         destroy_parallel()
 
 
-def _layout_rank(rank: int, port: int, world: int, layouts: list, ports: list, out_dir: Path) -> None:
+def _layout_rank(rank: int, port: int, world: int, layouts: list, out_dir: Path) -> None:
     """Per layout (name, model_dir, tp, pp, virtual, ep, last_stage_layers): a fresh world; saves `{name}-{rank}.pt`."""
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        for (name, model_dir, tp, pp, virtual, ep, last), layout_port in zip(layouts, [port, *ports], strict=True):
-            init_parallel(rank, world, tp, "127.0.0.1", layout_port, TIMEOUT_S, seed=0, expert_parallel=ep,
+        for name, model_dir, tp, pp, virtual, ep, last in layouts:
+            init_parallel(rank, world, tp, "127.0.0.1", port, TIMEOUT_S, seed=0, expert_parallel=ep,
                           pipeline_parallel=pp, virtual_stages=virtual)  # fmt: skip
             torch.save(_step(model_dir, last), out_dir / f"{name}-{rank}.pt")
+            port = next_world_port(rank)
             destroy_parallel()
 
 
@@ -130,14 +131,14 @@ def test_dense_pipeline_layouts_match_single_process(dense_dir: Path, tied_dir: 
                ("pp2-last1", dense_dir, 1, 2, 1, 1, 1), ("pp2-tied", tied_dir, 1, 2, 1, 1, None)]  # fmt: skip
     if torch.cuda.is_available():  # two stages cannot interleave on NCCL (init_parallel refuses it)
         layouts = [layout for layout in layouts if layout[0] != "pp2-vpp2"]
-    run_ranks(_layout_rank, 2, (2, layouts, [free_port() for _ in layouts[1:]]), tmp_path, 4 * TIMEOUT_S)
+    run_ranks(_layout_rank, 2, (2, layouts), tmp_path, 4 * TIMEOUT_S)
     for name, model_dir, *_ in layouts:
         _check(tmp_path, name, 2, _reference(model_dir), load_hf_checkpoint(model_dir)[1])
 
 
 def test_moe_pipeline_with_expert_parallelism_matches_single_process(moe_dir: Path, tmp_path: Path) -> None:
     layouts = [("pp2-ep2", moe_dir, 1, 2, 1, 2, None)]  # 4 ranks: 2 stages x 2 data-parallel ranks = EP pairs
-    run_ranks(_layout_rank, 4, (4, layouts, []), tmp_path, 3 * TIMEOUT_S)
+    run_ranks(_layout_rank, 4, (4, layouts), tmp_path, 3 * TIMEOUT_S)
     _check(tmp_path, "pp2-ep2", 4, _reference(moe_dir), load_hf_checkpoint(moe_dir)[1])
 
 

@@ -35,7 +35,7 @@ from streamrl.loss.objective import microbatch_objective
 from streamrl.models.tiny import write_tiny_model
 from streamrl.types import MicroBatch
 from tests.learner.grads import complete, grads_by_hf_name, wrap
-from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, free_port, next_world_port, record_errors, run_ranks
 from tests.queue.test_codec import make_group
 
 # Large coefficients so that the entropy and KL terms weigh on the gradients as much as the policy loss.
@@ -109,14 +109,15 @@ def _step(model_dir: Path, ref_dir: Path) -> dict:
             "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True)}  # fmt: skip
 
 
-def _layout_rank(rank: int, port: int, layouts: list, ports: list, out_dir: Path) -> None:
+def _layout_rank(rank: int, port: int, layouts: list, out_dir: Path) -> None:
     """Per layout (name, model_dir, ref_dir, tp, pp, cp): a fresh 2-rank world; saves `{name}-{rank}.pt`."""
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        for (name, model_dir, ref_dir, tp, pp, cp), layout_port in zip(layouts, [port, *ports], strict=True):
-            init_parallel(rank, 2, tp, "127.0.0.1", layout_port, TIMEOUT_S, seed=0, pipeline_parallel=pp,
+        for name, model_dir, ref_dir, tp, pp, cp in layouts:
+            init_parallel(rank, 2, tp, "127.0.0.1", port, TIMEOUT_S, seed=0, pipeline_parallel=pp,
                           context_parallel=cp)  # fmt: skip
             torch.save(_step(model_dir, ref_dir), out_dir / f"{name}-{rank}.pt")
+            port = next_world_port(rank)
             destroy_parallel()
 
 
@@ -134,7 +135,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path
 def test_regularized_step_matches_single_process(model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     layouts = [("moe-tp2", *model_dirs["qwen3_moe"], 2, 1, 1), ("dense-cp2", *model_dirs["qwen3"], 1, 1, 2),
                ("deepseek-pp2", *model_dirs["deepseek_v3"], 1, 2, 1)]  # fmt: skip
-    run_ranks(_layout_rank, 2, (layouts, [free_port() for _ in layouts[1:]]), tmp_path, 4 * TIMEOUT_S)
+    run_ranks(_layout_rank, 2, (layouts,), tmp_path, 4 * TIMEOUT_S)
     references = {arch: _reference_step(*dirs) for arch, dirs in model_dirs.items()}
     assert references["qwen3"]["sums"][2] > 0.1  # the reference policy is far from the trained one
     for name, arch in (("moe-tp2", "qwen3_moe"), ("dense-cp2", "qwen3"), ("deepseek-pp2", "deepseek_v3")):
