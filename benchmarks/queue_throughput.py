@@ -7,11 +7,11 @@ Groups of 8 responses x 1k/4k/16k tokens (int32 ids, float32 logprobs, int32 ver
 tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and consumed by one reader
 in this process, on an embedded server (appendfsync everysec, the default), 512 MB a run. streamrl mode:
 `TrajectoryProducer.push` (encode; into a backlog more than half full, claim places first; then one round
-trip: a SET of each group over 128 KB and the idempotent, bounded append script for 8 groups) and
-`TrajectoryConsumer.read` + `commit` (XREADGROUP with the trained-set check script in the same round
-trip, an MGET of the payloads stored apart, decode, then one atomic script call for XACK/XDEL/SADD, which
-under load also keeps two reads' worth of entries read ahead in its round trip and decodes the next
-read's groups while it is in flight). Raw mode: pre-encoded bytes of the
+trip: a MULTI/EXEC transaction per MB of groups, of their XADDs and the admit script, which keeps them
+under the backlog bound and idempotent) and `TrajectoryConsumer.read` + `commit` (XREADGROUP, decode,
+then one atomic script call for XACK/XDEL/SADD and the push markers, which under load also keeps two
+reads' worth of entries read ahead in its round trip and decodes the next read's groups while it is in
+flight). Raw mode: pre-encoded bytes of the
 same sizes, XADD pipelined 8 per round trip (no backlog bound), XREADGROUP count 8 then XACK+XDEL
 pipelined. Both go through the same client. The modes alternate run by run and each number is the
 median of the repeats (7: single runs on a shared VM vary by a factor of up to 2; the table also gives

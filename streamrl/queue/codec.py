@@ -133,4 +133,3 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
         trajectories.append(Trajectory.unchecked(ids[begin:end], logprobs[begin:end], versions[begin:end], reward,
                                                  reason))  # fmt: skip
     return TrajectoryGroup(group_id, engine_id, _array(msg, "prompt", _I32), tuple(trajectories))
-

@@ -1,53 +1,43 @@
 """Trajectory queue on a Redis stream: producers XADD groups, learners read through a consumer group.
 
 Delivery contract (the Lua scripts are in `scripts.py`):
-- `TrajectoryProducer.push` appends one entry per group; it waits (bounded) while the backlog of
-  unconsumed groups is at `max_backlog`, never trimming unread data. The append is idempotent per
-  group id (a script checks and sets a marker in the same atomic step as the XADD), so a push
-  retried after a lost reply returns the entry it already added instead of adding a second one.
-  One script call appends a batch of groups (up to `PUSH_CALL_MAX_BYTES`): one round trip a push. A group
-  larger than `INLINE_MAX_BYTES` is SET apart under a payload key in the same round trip, before the script,
-  and its entry names it; the script makes the key permanent if it appends the group and deletes it if not
-  (and a producer dying in between leaves a key that expires).
+- `TrajectoryProducer.push` appends one entry per group, `{i: group id, g: wire bytes}`; it waits (bounded)
+  while the backlog of unconsumed groups is at `max_backlog`, never trimming unread data. A push is one
+  round trip: a MULTI/EXEC transaction of the XADDs followed by the admit script, which keeps the groups
+  that fit under the bound and were never pushed before (no marker, not trained on) and deletes the
+  others' entries, atomically: no reader sees an entry that is not admitted. So a push retried after a
+  lost reply, or a group pushed twice, adds no second entry: every entry a producer wrote is the only one
+  of its group and was never trained on.
   Into a backlog last seen more than half full, a push first claims places (a small script that reserves
   room for this producer's next append, respecting other producers' claims) and sends only the payloads
-  that fit, rather than ones the script would refuse; `push` waits on a baton that each commit passes.
+  that fit, rather than ones the admit script would delete; `push` waits on a baton that each commit passes.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`, looked for at most every quarter of it), then reads new ones. Entries
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
-  trained on (their id is in the trained set) or already in this consumer's hands are acked and
-  skipped. The trained-set lookup of new entries rides in the read's own round trip: a script
-  pipelined after the XREADGROUP finds them in the consumer's pending list and their group ids in
-  `entry_groups` (written by the push script). Entries it cannot answer for (appended by another
-  tool, own pending, reclaimed) are looked up with one more round trip.
-  The bytes of entries that name a payload key are fetched in one more round trip (MGET); a missing payload
-  or one of another group is dead-lettered like bad bytes.
+  in this consumer's hands are acked and skipped. An entry without the producer's `i` field (written
+  by another tool) is also looked up in the trained set, in one more round trip, and skipped if found.
 - `TrajectoryConsumer.commit` runs after the optimizer step: in one atomic script call it acks and
-  deletes the entries (and their payload keys) and records their group ids in the trained set, so a
-  redelivery is recognised.
+  deletes the entries, deletes their groups' push markers and records their group ids in the trained set.
   When the stream held more than this consumer has in hand, the same round trip tops up the entries
-  read ahead (with their check) to two reads' worth, and the next `read` starts with them: a busy
-  learner's step costs one round trip (two with payloads stored apart). While that round trip is in
-  flight the consumer decodes the entries the next `read` hands out (`overlap.py`), so the decode and
-  the server's work proceed side by side. Entries read ahead are pending like any read entry; a `read`
-  after a pause of half `reclaim_idle_ms` lets them go to the reclaim pass (another consumer may
-  already have them) instead of handing them out.
+  read ahead to two reads' worth, and the next `read` starts with them: a busy learner's step costs one
+  round trip. While that round trip is in flight the consumer decodes the entries the next `read` hands
+  out (`overlap.py`), so the decode and the server's work proceed side by side. Entries read ahead are
+  pending like any read entry; a `read` after a pause of half `reclaim_idle_ms` lets them go to the
+  reclaim pass (another consumer may already have them) instead of handing them out.
 
 Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
 for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
-may run twice; each is harmless when it does: a push finds its marker; commit and drop (SADD, XACK,
-XDEL, HDEL) are idempotent; a second dead letter only duplicates a diagnostic record. A read whose
-reply was lost leaves its entries pending under this consumer: they are not lost, the reclaim pass
-hands them back once they have been idle `reclaim_idle_ms` (so do the entries a commit read ahead
-when its reply was lost or its read-ahead failed). A duplicate entry that reaches the stream anyway
-(written by another tool, or re-pushed after its marker expired) is skipped by the trained-set and
-in-hand checks.
+may run twice; each is harmless when it does: a push's transaction finds its markers and deletes its
+copies; commit and drop (SADD, XACK, XDEL, DEL) are idempotent; a second dead letter only duplicates a
+diagnostic record. A read whose reply was lost leaves its entries pending under this consumer: they are
+not lost, the reclaim pass hands them back once they have been idle `reclaim_idle_ms` (so do the entries
+a commit read ahead when its reply was lost or its read-ahead failed). The transaction is also what the
+AOF holds, whole, so a server killed and restarted never replays an entry without its admission.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -64,18 +54,10 @@ from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
 
 CONSUMER_GROUP = "learners"
-# A push marker only has to outlive the retries of one push (bounded by the reconnect window, at most 600 s).
-PUSH_MARKER_TTL_MS = 3_600_000
-# Payload bytes per push script call: enough to spread the fixed cost of a call over many small groups, small enough
-# that one call, which holds the server while it copies its payloads, does not keep the readers waiting for long.
-PUSH_CALL_MAX_BYTES = 1 << 20
-# A group's wire bytes up to this size travel inside its stream entry (through the append script); larger ones are SET
-# apart, which costs the server about half as much per byte, and the entry refers to them (a read then fetches them in
-# a second round trip: in alternating benchmark runs, 8 groups of 100 KB went faster inline, 400 KB ones apart).
-INLINE_MAX_BYTES = 128 << 10
-# A payload SET before its append script runs expires unless the script appends it (PERSIST): only a producer dying
-# in between leaves one behind.
-PAYLOAD_ORPHAN_TTL_MS = 600_000
+# Payload bytes per push transaction. The server runs a transaction's XADDs in one go, holding every other client,
+# and its AOF buffer grows by the whole transaction (past 1 MB, in reallocations of 1 MB): 8 groups of 1.5 MB in one
+# transaction halved the throughput, measured. A push of small groups is still one transaction.
+TRANSACTION_MAX_BYTES = 1 << 20
 # How long a producer waiting for backlog room waits for the room baton before it tries to claim places again.
 WAIT_LOOK_S = 0.1
 # A claim outlives the append it is for by far (encoding and sending take milliseconds); one left by a producer that
@@ -102,11 +84,6 @@ class QueueKeys:
         return f"{self.prefix}:trained"
 
     @property
-    def entry_groups(self) -> str:
-        """Hash: id of each entry a producer appended -> its group id (a read checks those groups in its round trip)."""
-        return f"{self.prefix}:entry_groups"
-
-    @property
     def claims(self) -> str:
         """Hash: producer token -> `count:expiry_ms`, places reserved for that producer's next append."""
         return f"{self.prefix}:claims"
@@ -120,12 +97,8 @@ class QueueKeys:
     def policy_version(self) -> str:
         return f"{self.prefix}:policy_version"
 
-    def payload(self, nonce: str, group_id: str) -> str:
-        """Wire bytes of a large group, stored apart from its stream entry (`nonce` names the push that stored them)."""
-        return f"{self.prefix}:payload:{nonce}:{group_id}"
-
     def pushed(self, group_id: str) -> str:
-        """Marker holding the entry id a group was appended as (makes a retried push idempotent)."""
+        """Marker of a group admitted to the stream and not yet retired (makes a retried push idempotent)."""
         return f"{self.prefix}:pushed:{group_id}"
 
 
@@ -188,19 +161,6 @@ def connect_for(queue: QueueConfig, url: str, password: str | None) -> redis.Red
     return connect(url, password, reconnect_timeout_s=queue.reconnect_timeout_s, username=queue.username)
 
 
-def _chunks(payloads: list[tuple[str, bytes]], max_bytes: int) -> list[list[tuple[str, bytes]]]:
-    """Consecutive runs of (group id, entry bytes) of at most `max_bytes` each (a larger entry goes alone)."""
-    chunks: list[list[tuple[str, bytes]]] = []
-    size = 0
-    for item in payloads:
-        if not chunks or size + len(item[1]) > max_bytes:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(item)
-        size += len(item[1])
-    return chunks
-
-
 class TrajectoryProducer:
     """Appends encoded groups to the stream, waiting while the consumers are `max_backlog` behind.
 
@@ -218,60 +178,61 @@ class TrajectoryProducer:
         self.token = secrets.token_hex(8)  # names this producer's claims
         self._room = 0  # room the last append or claim saw (none known yet: the first push claims its places)
 
-    def try_push(self, groups: list[TrajectoryGroup]) -> dict[str, str]:
+    def try_push(self, groups: list[TrajectoryGroup]) -> list[str]:
         """No waiting: append the groups that fit under the backlog bound (claiming their places first if the backlog
         was last seen more than half full; then only as many payloads as were granted are encoded and sent).
 
-        Returns {group_id: entry_id} of the groups now in the stream (a group pushed before keeps its entry).
+        Returns the ids of the groups now in the stream or pushed before (retired since, perhaps), in order.
         """
-        known: dict[str, str] = {}
+        before: set[str] = set()
+        sent = groups
         if self._crowded(len(groups)):
-            granted, known = self._claim(groups, 1)
-            groups = [group for group in groups if group.group_id not in known][:granted]
-        return known | self._append(groups) if groups else known
+            granted, before = self._claim(groups, 1)
+            sent = [group for group in groups if group.group_id not in before][:granted]
+        accepted = before | set(self._append(sent) if sent else ())
+        return [group.group_id for group in groups if group.group_id in accepted]
 
-    def push(self, groups: list[TrajectoryGroup]) -> list[str]:
-        """Append the groups, waiting (bounded) for room; returns their entry ids, in order.
+    def push(self, groups: list[TrajectoryGroup]) -> None:
+        """Append the groups, waiting (bounded) for room; a group pushed before is not appended again.
 
         Into a crowded backlog it waits until it can claim places for all the groups left (or `max_backlog`, if
         fewer): one append per push rather than a trickle of partial ones, each with its own round trips.
         """
         deadline = time.monotonic() + self.wait_timeout_s
-        entry_ids: dict[str, str] = {}
-        while len(entry_ids) < len(groups):
-            left = [group for group in groups if group.group_id not in entry_ids]
+        left = groups
+        while left:
             if self._crowded(len(left)):
-                granted, known = self._claim_waiting(left, deadline)
-                entry_ids |= known
-                left = [group for group in left if group.group_id not in known][:granted]
-            if left:
-                entry_ids |= self._append(left)
-        return [entry_ids[group.group_id] for group in groups]
+                granted, before = self._claim_waiting(left, deadline)
+                left = [group for group in left if group.group_id not in before]
+                accepted = set(self._append(left[:granted])) if granted else set()
+            else:
+                accepted = set(self._append(left))
+            left = [group for group in left if group.group_id not in accepted]
 
     def _crowded(self, count: int) -> bool:
         """Whether appending `count` groups would leave the backlog, as last seen, more than half full."""
         return self._room - count < self.max_backlog // 2
 
-    def _claim(self, groups: list[TrajectoryGroup], fewest: int) -> tuple[int, dict[str, str]]:
+    def _claim(self, groups: list[TrajectoryGroup], fewest: int) -> tuple[int, set[str]]:
         """Reserve places for the next append of those of `groups` not pushed before: as many as are free, or none if
-        fewer than `fewest`. Returns the places reserved and {group_id: entry_id} of the groups pushed before."""
-        granted, *markers = self.client.eval(scripts.CLAIM, 2 + len(groups), self.keys.stream, self.keys.claims,
-                                             *[self.keys.pushed(group.group_id) for group in groups], self.token,
-                                             fewest, self.max_backlog, CLAIM_TTL_MS)  # fmt: skip
+        fewer than `fewest`. Returns the places reserved and the ids of the groups pushed before."""
+        granted, *before = self.client.eval(scripts.CLAIM, 3 + len(groups), self.keys.stream, self.keys.claims,
+                                            self.keys.trained, *[self.keys.pushed(group.group_id) for group in groups],
+                                            self.token, fewest, self.max_backlog, CLAIM_TTL_MS,
+                                            *[group.group_id for group in groups])  # fmt: skip
         self._room = granted
-        return granted, {group.group_id: marker.decode() for group, marker in zip(groups, markers, strict=True)
-                         if marker}  # fmt: skip
+        return granted, {group.group_id for group, flag in zip(groups, before, strict=True) if flag}
 
-    def _claim_waiting(self, groups: list[TrajectoryGroup], deadline: float) -> tuple[int, dict[str, str]]:
+    def _claim_waiting(self, groups: list[TrajectoryGroup], deadline: float) -> tuple[int, set[str]]:
         # Wait on the room baton (pushed by each commit, and by an append that leaves room) rather than poll: waiters
         # wake one at a time. The baton is a hint, so a waiter also claims again every WAIT_LOOK_S (a baton taken by a
         # producer that then died is not lost for long).
         started = time.monotonic()
         try:
             while True:
-                granted, known = self._claim(groups, min(len(groups), self.max_backlog))
-                if granted or len(known) == len(groups):
-                    return granted, known
+                granted, before = self._claim(groups, min(len(groups), self.max_backlog))
+                if granted or len(before) == len({group.group_id for group in groups}):
+                    return granted, before
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
@@ -282,32 +243,42 @@ class TrajectoryProducer:
         finally:
             self.backpressure_wait_s += time.monotonic() - started
 
-    def _append(self, groups: list[TrajectoryGroup]) -> dict[str, str]:
-        """One round trip: a SET of each large group's bytes, then the append script (in calls of at most
-        PUSH_CALL_MAX_BYTES of bytes passed to the script itself)."""
-        nonce = secrets.token_hex(8)  # a retry of this call finds its own entries by it
-        pipe = self.client.pipeline(transaction=False)
-        items = []
-        for group in groups:
-            data = encode_group(group)
-            if len(data) > INLINE_MAX_BYTES:
-                pipe.set(self.keys.payload(nonce, group.group_id), data, px=PAYLOAD_ORPHAN_TTL_MS)
-                data = b""
-            items.append((group.group_id, data))
-        calls = _chunks(items, PUSH_CALL_MAX_BYTES)
-        for chunk in calls:
-            group_ids = [group_id for group_id, _ in chunk]
-            pipe.eval(scripts.PUSH, 4 + 2 * len(chunk), self.keys.stream, self.keys.entry_groups, self.keys.room,
-                      self.keys.claims, *[self.keys.pushed(group_id) for group_id in group_ids],
-                      *[self.keys.payload(nonce, group_id) for group_id in group_ids], self.token, PUSH_MARKER_TTL_MS,
-                      self.max_backlog, nonce, *group_ids, *[data for _, data in chunk])  # fmt: skip
-        entry_ids: list[bytes | int] = []
+    def _append(self, groups: list[TrajectoryGroup]) -> list[str]:
+        """One round trip: for each run of groups of at most TRANSACTION_MAX_BYTES, a MULTI/EXEC transaction of their
+        XADDs and the admit script. Returns the ids of the groups admitted or pushed before (the entries of the
+        others, and of copies, are gone before their transaction ends)."""
+        pipe = self.client.pipeline(transaction=False)  # MULTI/EXEC by hand: several transactions in one round trip
+        calls = _runs([(group.group_id, encode_group(group)) for group in groups], TRANSACTION_MAX_BYTES)
+        for run in calls:
+            group_ids = [group_id for group_id, _ in run]
+            pipe.execute_command("MULTI")
+            for group_id, data in run:
+                pipe.execute_command("XADD", self.keys.stream, "*", "i", group_id, "g", data)
+            pipe.eval(scripts.ADMIT, 4 + len(run), self.keys.stream, self.keys.trained, self.keys.claims,
+                      self.keys.room, *map(self.keys.pushed, group_ids), self.token, self.max_backlog,
+                      *group_ids)  # fmt: skip
+            pipe.execute_command("EXEC")
         replies = pipe.execute()
-        for *chunk_entry_ids, room in replies[len(replies) - len(calls) :]:  # after the SETs' replies
-            entry_ids += chunk_entry_ids
-            self._room = room
-        return {group.group_id: entry_id.decode() for group, entry_id in zip(groups, entry_ids, strict=True)
-                if entry_id}  # fmt: skip
+        statuses: list[int] = []
+        end = 0
+        for run in calls:
+            end += len(run) + 3  # MULTI, the XADDs, EVAL, EXEC: the transaction's replies come with EXEC's
+            *run_statuses, self._room = replies[end - 1][-1]
+            statuses += run_statuses
+        return [group.group_id for group, status in zip(groups, statuses, strict=True) if status]
+
+
+def _runs(items: list[tuple[str, bytes]], max_bytes: int) -> list[list[tuple[str, bytes]]]:
+    """Consecutive runs of (group id, wire bytes) of at most `max_bytes` each (a larger group goes alone)."""
+    runs: list[list[tuple[str, bytes]]] = []
+    size = 0
+    for item in items:
+        if not runs or size + len(item[1]) > max_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += len(item[1])
+    return runs
 
 
 class TrajectoryConsumer:
@@ -323,13 +294,11 @@ class TrajectoryConsumer:
         # Entry id -> group id of every group handed out and not yet committed or dropped. Own pending entries
         # come back from the reclaim pass once idle; this keeps them from being handed out twice.
         self._in_hand: dict[str, str] = {}
-        self._payload_keys: dict[str, str] = {}  # entry id -> payload key, of entries handed out whose bytes are apart
         self._reclaim_due = 0.0  # monotonic time of the next reclaim pass
-        self._newest_seen = (0, 0)  # largest entry id this consumer has been handed, as (ms, seq)
         # Read ahead by `commit` (new entries, pending under this consumer, not yet handed out): each with the
-        # monotonic time it was read and the check script's answer (trained or not; None if it gave none), and
-        # their groups as decoded while a later commit was in flight (or the DecodeError); `read` starts with them.
-        self._ahead: list[tuple[bytes, dict[bytes, bytes], float, bool | None]] = []
+        # monotonic time it was read, and their groups as decoded while a later commit was in flight (or the
+        # DecodeError); `read` starts with them.
+        self._ahead: list[tuple[bytes, dict[bytes, bytes], float]] = []
         self._ahead_decoded: dict[bytes, TrajectoryGroup | DecodeError] = {}
         self._read_size = 0  # `count` of the last read: a commit keeps up to two reads' worth ahead
         self._more_likely = True  # the last commit left entries in the stream beyond the ones this consumer holds
@@ -345,9 +314,7 @@ class TrajectoryConsumer:
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
         if self._own_pending_from is not None:
             # Entries this consumer name read before it restarted and never committed, `count` at a time.
-            own = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: self._own_pending_from},
-                                         count=count)  # fmt: skip
-            own = own[0][1] if own else []
+            own = self._read_new(count, None, self._own_pending_from)
             entries += [e for e in own if e[1]]  # an entry deleted while pending comes back without fields
             self._own_pending_from = own[-1][0].decode() if len(own) == count else None
         if self._ahead and time.monotonic() - self._ahead[0][2] > self.reclaim_idle_ms / 2000:
@@ -366,88 +333,58 @@ class TrajectoryConsumer:
                 # Nothing else is idle long enough: the next pass can wait a quarter of the idle time, so an entry
                 # is reclaimed after 1 to 1.25 x reclaim_idle_ms and a busy learner saves a round trip per read.
                 self._reclaim_due = time.monotonic() + self.reclaim_idle_ms / 4000
-        checked: dict[str, bool] = {}  # entry id -> trained, for the entries the check script answered for
         if len(entries) < count and self._ahead:
             split = count - len(entries)
             taken, self._ahead = self._ahead[:split], self._ahead[split:]
-            entries += [(raw_id, fields) for raw_id, fields, _, _ in taken]
-            checked = {raw_id.decode(): trained for raw_id, _, _, trained in taken if trained is not None}
+            entries += [(raw_id, fields) for raw_id, fields, _ in taken]
         if len(entries) < count and not self._ahead:  # entries read ahead come before any new one
-            self._note_seen(entries)
-            pipe = self.client.pipeline(transaction=False)
             # Wait for new entries only with nothing else to hand out: the caller asked for up to `count`.
-            self._queue_new_read(pipe, count - len(entries), None if entries else block_ms)
-            new, new_checked = self._new_entries(*pipe.execute())
-            entries += new
-            checked = checked | new_checked
-        self._note_seen(entries)
-        return self._decode(entries, checked)
+            entries += self._read_new(count - len(entries), None if entries else block_ms)
+        return self._decode(entries)
 
-    def _queue_new_read(self, pipe: redis.client.Pipeline, count: int, block_ms: int | None) -> None:
-        """Queue an XREADGROUP of up to `count` new entries and the check script that answers for their groups."""
-        pipe.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: ">"}, count=count, block=block_ms)
-        # New entries have larger ids than any this consumer was handed before: the check script finds them in its
-        # pending list and answers for their groups in this same round trip.
-        ms, seq = self._newest_seen
-        pipe.eval(scripts.CHECK, 3, self.keys.stream, self.keys.entry_groups, self.keys.trained, CONSUMER_GROUP,
-                  self.consumer, f"{ms}-{seq + 1}", count)  # fmt: skip
+    def _read_new(self, count: int, block_ms: int | None, after: str = ">") -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """XREADGROUP of up to `count` entries: new ones, or this consumer's pending ones `after` an id."""
+        reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: after}, count=count,
+                                       block=block_ms)  # fmt: skip
+        return reply[0][1] if reply else []
 
-    @staticmethod
-    def _new_entries(reply: object, flags: object) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], dict[str, bool]]:
-        """The entries and {entry id: trained} of a `_queue_new_read`; a failed part counts as nothing (a failed
-        read's entries, if any, stay pending for the reclaim pass; a failed check leaves them to `_decode`)."""
-        entries = reply[0][1] if reply and not isinstance(reply, Exception) else []
-        if isinstance(flags, Exception):
-            return entries, {}
-        return entries, {flags[i].decode(): bool(flags[i + 1]) for i in range(0, len(flags), 2)}
+    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[ConsumedGroup]:
+        """The good groups not trained on nor in hand.
 
-    def _note_seen(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        for raw_id, _ in entries:
-            ms, seq = raw_id.split(b"-")
-            self._newest_seen = max(self._newest_seen, (int(ms), int(seq)))
-
-    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]], checked: dict[str, bool]) -> list[ConsumedGroup]:
-        """The good groups not trained on nor in hand; `checked`: entry id -> trained, as the server answered.
-
-        Entries that refer to a payload key have their bytes fetched in one round trip (MGET)."""
-        refs = {raw_id.decode(): key for raw_id, fields in entries if b"g" not in fields
-                and (key := self._payload_key(fields))}  # fmt: skip
-        stored = dict(zip(refs, self.client.mget(list(refs.values())), strict=True)) if refs else {}
+        An entry with the producer's `i` field was admitted as the only one of its group, never trained on (see
+        `scripts.py`); the groups of any other entries are looked up in the trained set (one round trip)."""
         good: list[ConsumedGroup] = []
+        unchecked: list[ConsumedGroup] = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
-            data = fields.get(b"g", stored.get(entry_id))
+            data = fields.get(b"g")
             decoded = self._ahead_decoded.pop(raw_id, None)
             try:
                 if isinstance(decoded, DecodeError):
                     raise decoded
                 if data is None:
-                    raise DecodeError(f"payload: {refs[entry_id]} missing" if entry_id in refs else
-                                      f"entry: no 'g' field nor payload reference (fields: {sorted(fields)[:4]})")
+                    raise DecodeError(f"entry: no 'g' field (fields: {sorted(fields)[:4]})")
                 group = decoded if decoded is not None else decode_group(data, self.max_entry_bytes)
-                named = fields[b"i"].decode() if entry_id in refs else group.group_id
-                if group.group_id != named:
-                    raise DecodeError(f"i: the entry names group {named!r}, its payload {group.group_id!r}")
+                named = fields.get(b"i")
+                if named is not None and named != group.group_id.encode():
+                    raise DecodeError(f"i: the entry names group {named[:MAX_ID_CHARS]!r}, its payload "
+                                      f"{group.group_id!r}")  # fmt: skip
             except DecodeError as exc:
-                self._dead_letter(entry_id, data or b"", str(exc), refs.get(entry_id))
+                self._dead_letter(entry_id, data or b"", str(exc))
                 continue
             good.append(ConsumedGroup(entry_id, group))
-            if entry_id in refs:
-                self._payload_keys[entry_id] = refs[entry_id]
-        if not good:
-            return good
-        trained = {c.entry_id: checked[c.entry_id] for c in good if c.entry_id in checked}
-        # Entries the check script did not answer for (appended by another tool, own pending, reclaimed): ask now.
-        unchecked = [c for c in good if c.entry_id not in checked]
+            if named is None:
+                unchecked.append(good[-1])
+        trained: set[str] = set()
         if unchecked:
             flags = self.client.smismember(self.keys.trained, [c.group.group_id for c in unchecked])
-            trained |= {c.entry_id: bool(flag) for c, flag in zip(unchecked, flags, strict=True)}
+            trained = {c.entry_id for c, flag in zip(unchecked, flags, strict=True) if flag}
         in_hand = set(self._in_hand.values())
         fresh: list[ConsumedGroup] = []
         duplicates: list[str] = []
         for consumed in good:
             group_id = consumed.group.group_id
-            if trained[consumed.entry_id] or group_id in in_hand:
+            if consumed.entry_id in trained or group_id in in_hand:
                 # Acking a copy is safe even if the one in hand is never committed: that one stays pending.
                 duplicates.append(consumed.entry_id)
                 continue
@@ -456,57 +393,43 @@ class TrajectoryConsumer:
             fresh.append(consumed)
         if duplicates:
             self.duplicates_skipped += len(duplicates)
-            self._retire(duplicates, [])
+            self._retire(duplicates, [], record=False)  # the markers are the other copies'
         return fresh
 
-    def _payload_key(self, fields: dict[bytes, bytes]) -> str | None:
-        """The payload key an entry refers to (`i` group id, `n` push nonce), or None if its fields are not one."""
-        group_id, nonce = fields.get(b"i", b""), fields.get(b"n", b"")
-        if not (0 < len(group_id) <= 4 * MAX_ID_CHARS and re.fullmatch(rb"[0-9a-f]{1,32}", nonce)):
-            return None
-        try:
-            return self.keys.payload(nonce.decode(), group_id.decode())
-        except UnicodeDecodeError:
-            return None
-
-    def _dead_letter(self, entry_id: str, payload: bytes, reason: str, payload_key: str | None) -> None:
+    def _dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
         pipe = self.client.pipeline(transaction=True)
         pipe.xadd(self.keys.dead_letters, {"entry_id": entry_id, "reason": reason,
                                            "payload": payload[: self.max_entry_bytes]})  # fmt: skip
         pipe.xack(self.keys.stream, CONSUMER_GROUP, entry_id)
         pipe.xdel(self.keys.stream, entry_id)
-        pipe.hdel(self.keys.entry_groups, entry_id)
-        if payload_key:
-            pipe.delete(payload_key)
         pipe.execute()
         self.dead_lettered += 1
 
-    def _retire(self, entry_ids: list[str], trained_group_ids: list[str], read_ahead: int = 0) -> int:
-        """Run the retire script (one command: cheaper for the client than MULTI/EXEC, and as atomic); returns the
-        stream's length after it. With `read_ahead`, the same round trip reads up to that many new entries ahead."""
-        payload_keys = [self._payload_keys.pop(entry_id) for entry_id in entry_ids if entry_id in self._payload_keys]
-        args = (scripts.RETIRE, 4 + len(payload_keys), self.keys.stream, self.keys.trained, self.keys.entry_groups,
-                self.keys.room, *payload_keys, CONSUMER_GROUP, len(entry_ids), *entry_ids,
-                *trained_group_ids)  # fmt: skip
+    def _retire(self, entry_ids: list[str], group_ids: list[str], record: bool, read_ahead: int = 0) -> int:
+        """Run the retire script (one command: cheaper for the client than MULTI/EXEC, and as atomic) on the entries
+        and the push markers of `group_ids`, which it records as trained if `record`; returns the stream's length
+        after it. With `read_ahead`, the same round trip reads up to that many new entries ahead."""
+        args = (scripts.RETIRE, 3 + len(group_ids), self.keys.stream, self.keys.trained, self.keys.room,
+                *map(self.keys.pushed, group_ids), CONSUMER_GROUP, len(entry_ids), *entry_ids,
+                *(group_ids if record else ()))  # fmt: skip
         if not read_ahead:
             return int(self.client.eval(*args))
         pipe = self.client.pipeline(transaction=False)
         pipe.eval(*args)
-        self._queue_new_read(pipe, read_ahead, None)
+        pipe.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: ">"}, count=read_ahead)
         # While the server works on it, decode what the last commit read ahead (the next `read` hands it out).
-        length, reply, flags = execute_overlapped(pipe, self._decode_ahead)
+        length, reply = execute_overlapped(pipe, self._decode_ahead)
         if isinstance(length, Exception):
             raise length
-        new, new_checked = self._new_entries(reply, flags)
+        # A failed read-ahead counts as nothing: its entries, if any, stay pending for the reclaim pass.
+        new = reply[0][1] if reply and not isinstance(reply, Exception) else []
         now = time.monotonic()
-        self._ahead += [(raw_id, fields, now, new_checked.get(raw_id.decode())) for raw_id, fields in new]
-        self._note_seen(new)
+        self._ahead += [(raw_id, fields, now) for raw_id, fields in new]
         return int(length)
 
     def _decode_ahead(self) -> None:
-        """Decode the groups of the entries read ahead that carry their bytes (a payload stored apart is fetched,
-        and its group decoded, when it is handed out)."""
-        for raw_id, fields, _, _ in self._ahead:
+        """Decode the groups of the entries read ahead."""
+        for raw_id, fields, _ in self._ahead:
             data = fields.get(b"g")
             if data is not None and raw_id not in self._ahead_decoded:
                 try:
@@ -517,7 +440,7 @@ class TrajectoryConsumer:
     def drop(self, consumed: list[ConsumedGroup]) -> None:
         """Ack groups refused at admission (too stale); they are not recorded as trained."""
         if consumed:
-            self._retire([c.entry_id for c in consumed], [])
+            self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed], record=False)
             self._release(consumed)
 
     def commit(self, consumed: list[ConsumedGroup]) -> None:
@@ -531,7 +454,8 @@ class TrajectoryConsumer:
             # Not during the pass over own pending entries after a restart: it would meet the entries read ahead.
             room = 2 * self._read_size - len(self._ahead)
             read_ahead = max(room, 0) if self._more_likely and self._own_pending_from is None else 0
-            length = self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed], read_ahead)
+            length = self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed], record=True,
+                                  read_ahead=read_ahead)  # fmt: skip
             self._release(consumed)
             # The stream holds pending (this consumer's and others') and unread entries: a guess, refreshed each step.
             self._more_likely = length > len(self._in_hand) + len(self._ahead)

@@ -1,5 +1,5 @@
 """Fuzzing through the consumer: random, truncated, bit-flipped, oversized and field-less entries on a real stream,
-inside their entries or stored apart under a payload key (or missing from it).
+with or without the producer's `i` field naming their group (rightly or not).
 
 The codec is the oracle: every entry it rejects must land in the dead-letter stream with its reason,
 every entry it accepts must be delivered once (a later copy of a group id is skipped as a duplicate),
@@ -16,13 +16,12 @@ from streamrl.queue.stream import CONSUMER_GROUP, QueueKeys, TrajectoryConsumer,
 from tests.queue.test_codec import make_group
 
 ENTRY_LIMIT = 4096
-KINDS = ("good", "random", "truncated", "flipped", "no_field", "oversized", "apart", "dangling")
-NONCE = "abcd"  # of the payload keys of "apart" entries (bytes stored apart) and "dangling" ones (nothing stored)
+KINDS = ("good", "random", "truncated", "flipped", "no_field", "oversized", "named", "misnamed")
 
 
 @st.composite
-def stream_entries(draw: st.DrawFn) -> list[tuple[dict[bytes, bytes], bytes | None]]:
-    """(entry fields, bytes stored under the payload key the entry names, if any)."""
+def stream_entries(draw: st.DrawFn) -> list[dict[bytes, bytes]]:
+    """The fields of each entry."""
     entries = []
     for i in range(draw(st.integers(1, 10))):
         blob = encode_group(make_group(draw(st.lists(st.integers(0, 12), min_size=1, max_size=4)), seed=i))
@@ -37,27 +36,27 @@ def stream_entries(draw: st.DrawFn) -> list[tuple[dict[bytes, bytes], bytes | No
             blob = bytes(flipped)
         elif kind == "oversized":
             blob = encode_group(make_group([ENTRY_LIMIT], seed=i))
-        if kind in ("apart", "dangling"):
-            entries.append(({b"i": f"g{i}".encode(), b"n": NONCE.encode()}, blob if kind == "apart" else None))
-        else:
-            entries.append(({b"other": blob} if kind == "no_field" else {b"g": blob}, None))
+        fields = {b"other": blob} if kind == "no_field" else {b"g": blob}
+        if kind in ("named", "misnamed"):
+            fields[b"i"] = f"g{i if kind == 'named' else i + 100}".encode()
+        entries.append(fields)
     return entries
 
 
-def _oracle(entries: list[tuple[dict[bytes, bytes], bytes | None]]) -> tuple[list[int], dict[int, str], int]:
+def _oracle(entries: list[dict[bytes, bytes]]) -> tuple[list[int], dict[int, str], int]:
     """(indices delivered, index -> dead-letter reason, duplicates) as the codec alone decides them."""
     delivered, dead, seen, duplicates = [], {}, set(), 0
-    for i, (fields, stored) in enumerate(entries):
-        if b"i" in fields and stored is None:
-            dead[i] = "payload: "
-            continue
-        if b"g" not in fields and stored is None:
+    for i, fields in enumerate(entries):
+        if b"g" not in fields:
             dead[i] = "entry: no 'g' field"
             continue
         try:
-            group_id = decode_group(fields.get(b"g", stored), ENTRY_LIMIT).group_id
+            group_id = decode_group(fields[b"g"], ENTRY_LIMIT).group_id
         except DecodeError as exc:
             dead[i] = str(exc)
+            continue
+        if fields.get(b"i", group_id.encode()) != group_id.encode():
+            dead[i] = "i: the entry names group"
             continue
         if group_id in seen:
             duplicates += 1
@@ -73,10 +72,7 @@ def test_bad_entries_are_dead_lettered_and_good_ones_delivered(redis_server, ent
     keys = QueueKeys(f"fuzz-{uuid.uuid4().hex[:8]}")
     client = connect(redis_server.url, redis_server.password)
     consumer = TrajectoryConsumer(client, keys, "fuzz", 60_000, ENTRY_LIMIT)
-    for i, (_, stored) in enumerate(entries):
-        if stored is not None:
-            client.set(keys.payload(NONCE, f"g{i}"), stored)
-    entry_ids = [client.xadd(keys.stream, fields).decode() for fields, _ in entries]
+    entry_ids = [client.xadd(keys.stream, fields).decode() for fields in entries]
     delivered = []
     for _ in range(len(entries) // count + 1):  # each read takes up to `count` new entries
         delivered += consumer.read(count, 1)

@@ -12,12 +12,8 @@ from collections import Counter
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
-import pytest
-
 from streamrl.queue.stream import CONSUMER_GROUP, QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
 from tests.queue.test_codec import make_group
-
-pytestmark = pytest.mark.usefixtures("payload_path")  # both ways a group can travel
 
 N_GROUPS, BATCH, RECLAIM_IDLE_MS = 12, 4, 300
 

@@ -18,8 +18,6 @@ from streamrl.queue.server import EmbeddedRedis
 from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
 from tests.queue.test_codec import make_group
 
-pytestmark = pytest.mark.usefixtures("payload_path")  # both ways a group can travel
-
 N_GROUPS = 240
 PER_PUSH = 8
 

@@ -29,7 +29,7 @@ def acl_user(redis_server, queue_keys: QueueKeys) -> Iterator[tuple[str, str]]:
     admin.execute_command("ACL", "DELUSER", name)
 
 
-def test_acl_user_with_its_password_runs_the_queue(redis_server, queue_keys, acl_user, payload_path) -> None:
+def test_acl_user_with_its_password_runs_the_queue(redis_server, queue_keys, acl_user) -> None:
     name, password = acl_user
     client = connect(redis_server.url, password, username=name)
     assert client.acl_whoami() == name

@@ -19,6 +19,11 @@ def _producer(server, keys: QueueKeys, max_backlog: int = 100, wait_s: float = 5
     return TrajectoryProducer(connect(server.url, server.password), keys, max_backlog, wait_s)
 
 
+def _stream_groups(client, keys: QueueKeys) -> list[str]:
+    """The group id (`i` field) of each entry in the stream, in order."""
+    return [fields[b"i"].decode() for _, fields in client.xrange(keys.stream)]
+
+
 def test_groups_are_read_once_and_committed_ones_never_return(redis_server, queue_keys) -> None:
     producer = _producer(redis_server, queue_keys)
     first, second = _consumer(redis_server, queue_keys, "a"), _consumer(redis_server, queue_keys, "b")
@@ -55,10 +60,21 @@ def test_restarted_consumer_gets_its_own_pending_first(redis_server, queue_keys)
 
 def test_a_repeated_push_adds_no_entry(redis_server, queue_keys) -> None:
     producer = _producer(redis_server, queue_keys)
-    first = producer.push([make_group([2], seed=5)])
-    again = producer.push([make_group([2], seed=5), make_group([2], seed=6)])  # what a retried push sends
-    assert again[0] == first[0] and again[1] != first[0]
-    assert producer.client.xlen(queue_keys.stream) == 2
+    producer.push([make_group([2], seed=5)])
+    producer.push([make_group([2], seed=5), make_group([2], seed=6)])  # what a retried push sends
+    assert _stream_groups(producer.client, queue_keys) == ["g5", "g6"]
+
+
+def test_a_retried_transaction_deletes_its_own_copies(redis_server, queue_keys) -> None:
+    producer = _producer(redis_server, queue_keys)
+    groups = [make_group([2], seed=i) for i in range(2)]
+    assert producer._append(groups) == ["g0", "g1"]
+    assert producer._append(groups) == ["g0", "g1"]  # what a reply lost after the EXEC brings: the same again
+    assert _stream_groups(producer.client, queue_keys) == ["g0", "g1"]
+    consumer = _consumer(redis_server, queue_keys, "a")
+    consumer.commit(consumer.read(2, 100))
+    assert producer._append(groups) == ["g0", "g1"]  # trained on since: refused by the trained set
+    assert consumer.backlog() == 0 and consumer.read(2, 50) == []
 
 
 def test_trained_groups_are_skipped_on_redelivery(redis_server, queue_keys) -> None:
@@ -136,8 +152,9 @@ def test_try_push_appends_only_what_fits_and_never_waits(redis_server, queue_key
     start = time.monotonic()
     accepted = producer.try_push(groups)
     assert time.monotonic() - start < 1.0
-    assert sorted(accepted) == ["g0", "g1"] and producer.try_push(groups[2:]) == {}
-    assert producer.try_push(groups[:1]) == {"g0": accepted["g0"]}  # a repeat returns the existing entry
+    assert accepted == ["g0", "g1"] and producer.try_push(groups[2:]) == []
+    assert producer.try_push(groups[:1]) == ["g0"]  # a repeat is accepted: the group is in the stream already
+    assert _stream_groups(producer.client, queue_keys) == ["g0", "g1"]
 
 
 def test_a_waiting_push_completes_once_the_learner_commits(redis_server, queue_keys) -> None:
@@ -146,9 +163,9 @@ def test_a_waiting_push_completes_once_the_learner_commits(redis_server, queue_k
     producer.push([make_group([1], seed=0), make_group([1], seed=1)])
     committer = threading.Timer(0.2, lambda: consumer.commit(consumer.read(2, 100)))
     committer.start()
-    entry_ids = producer.push([make_group([1], seed=i) for i in (2, 3, 1)])  # g1 again: pushed before, no wait
+    producer.push([make_group([1], seed=i) for i in (2, 3, 1)])  # g1 again: pushed before, no place needed
     committer.join()
-    assert len(set(entry_ids)) == 3 and producer.backpressure_wait_s > 0
+    assert producer.backpressure_wait_s > 0
     assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2", "g3"]
 
 
@@ -156,8 +173,8 @@ def test_a_claim_keeps_its_places_from_other_producers_until_it_expires(redis_se
     monkeypatch.setattr(stream, "CLAIM_TTL_MS", 300)
     first, second = (_producer(redis_server, queue_keys, max_backlog=4) for _ in range(2))
     first.push([make_group([1], seed=0)])
-    granted, known = first._claim([make_group([1], seed=i) for i in (0, 1, 2)], 1)
-    assert granted == 2 and list(known) == ["g0"]  # g0 is in the stream already; 3 free places, 2 claimed
+    granted, before = first._claim([make_group([1], seed=i) for i in (0, 1, 2)], 1)
+    assert granted == 2 and before == {"g0"}  # g0 is in the stream already; 3 free places, 2 claimed
     # The other producer gets only the place left, even with a stale view of the room.
     assert list(second.try_push([make_group([1], seed=i) for i in (3, 4)])) == ["g3"]
     assert list(first.try_push([make_group([1], seed=i) for i in (1, 2)])) == ["g1", "g2"]
@@ -199,15 +216,18 @@ def test_wrong_password_is_refused(redis_server) -> None:
         connect(redis_server.url, "not-the-password")
 
 
-def test_a_push_over_several_script_calls_keeps_order_and_exact_bound(redis_server, queue_keys, monkeypatch) -> None:
+def test_a_push_in_several_transactions_keeps_order_and_exact_bound(redis_server, queue_keys, monkeypatch) -> None:
     groups = [make_group([2], seed=i) for i in range(7)]
-    monkeypatch.setattr(stream, "PUSH_CALL_MAX_BYTES", 2 * len(encode_group(groups[0])))  # two groups a call
+    monkeypatch.setattr(stream, "TRANSACTION_MAX_BYTES", 2 * len(encode_group(groups[0])))  # two groups each
     producer = _producer(redis_server, queue_keys, max_backlog=5)
+    producer._room = 100  # a stale view of the room: every payload is sent, the admit scripts keep five
     accepted = producer.try_push([*groups, groups[1]])  # g1 twice: the second finds the first's marker
-    assert list(accepted) == ["g0", "g1", "g2", "g3", "g4"]
+    assert accepted == ["g0", "g1", "g2", "g3", "g4", "g1"]
     entries = producer.client.xrange(queue_keys.stream)
-    assert [entry_id.decode() for entry_id, _ in entries] == list(accepted.values())
+    assert [fields[b"i"].decode() for _, fields in entries] == accepted[:5]
     assert [fields[b"g"] for _, fields in entries] == [encode_group(g) for g in groups[:5]]
+    assert producer.client.exists(*map(queue_keys.pushed, accepted[:5])) == 5
+    assert producer.client.exists(queue_keys.pushed("g5"), queue_keys.pushed("g6")) == 0
 
 
 def test_a_commit_of_more_groups_than_one_command_takes_records_them_all(redis_server, queue_keys) -> None:
@@ -219,7 +239,7 @@ def test_a_commit_of_more_groups_than_one_command_takes_records_them_all(redis_s
 
 
 def _record_appends(producer: TrajectoryProducer) -> list[int]:
-    """The number of groups of each append script call the producer makes from now on (payloads sent)."""
+    """The number of groups of each append the producer makes from now on (payloads sent)."""
     sent: list[int] = []
     append = producer._append
     producer._append = lambda groups: sent.append(len(groups)) or append(groups)
@@ -230,33 +250,31 @@ def _calls(client, command: str) -> int:
     return client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
 
 
-def test_a_read_checks_pushed_groups_in_its_own_round_trip(redis_server, queue_keys) -> None:
+def test_only_entries_written_by_another_tool_are_looked_up_in_the_trained_set(redis_server, queue_keys) -> None:
     producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
     producer.push([make_group([2], seed=i) for i in range(3)])
     consumer.commit(consumer.read(2, 100))
-    producer.client.delete(queue_keys.pushed("g0"))  # as if g0's marker expired: the push appends it again
-    producer.push([make_group([2], seed=0)])
     asked: list[list[str]] = []  # the consumer's own trained-set lookups (a round trip each)
     smismember = consumer.client.smismember
     consumer.client.smismember = lambda key, members: asked.append(members) or smismember(key, members)
-    assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2"]  # g0 again: trained, skipped
-    assert consumer.duplicates_skipped == 1 and asked == []
-    # An entry from another tool is not in entry_groups: the read asks the trained set about it separately.
+    assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2"] and asked == []
+    # An entry without the producer's `i` field: its group may have been trained on (g1 was).
     producer.client.xadd(queue_keys.stream, {"g": encode_group(make_group([2], seed=1))})
-    assert consumer.read(1, 100) == [] and consumer.duplicates_skipped == 2
+    assert consumer.read(1, 100) == [] and consumer.duplicates_skipped == 1
     assert asked == [["g1"]]
 
 
-def test_entry_groups_hold_only_entries_still_in_the_stream(redis_server, queue_keys) -> None:
+def test_push_markers_live_while_their_group_is_in_the_stream(redis_server, queue_keys) -> None:
     client = connect(redis_server.url, redis_server.password)
     producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
     producer.push([make_group([2], seed=i) for i in range(4)])
     client.xadd(queue_keys.stream, {"g": b"not a group"})
-    assert client.hlen(queue_keys.entry_groups) == 4
     got = consumer.read(5, 100)  # the bad entry is dead-lettered
-    consumer.drop(got[:1])
-    consumer.commit(got[1:3])
-    assert client.hvals(queue_keys.entry_groups) == [b"g3"] and consumer.backlog() == 1
+    consumer.drop(got[:1])  # too stale: not trained on, so it may come again
+    consumer.commit(got[1:3])  # trained on: a push of them is refused by the trained set
+    assert [client.exists(queue_keys.pushed(f"g{i}")) for i in range(4)] == [0, 0, 0, 1]
+    assert producer.try_push([make_group([2], seed=i) for i in range(4)]) == ["g0", "g1", "g2", "g3"]
+    assert _stream_groups(client, queue_keys) == ["g3", "g0"]
 
 
 def test_a_commit_reads_ahead_and_decodes_the_next_batch_while_in_flight(redis_server, queue_keys,
@@ -302,10 +320,10 @@ def test_entries_read_ahead_before_a_long_pause_go_to_whoever_reclaims_them(redi
 def test_a_producer_at_a_full_backlog_sends_no_payloads_until_there_is_room(redis_server, queue_keys) -> None:
     producer, consumer = _producer(redis_server, queue_keys, max_backlog=2), _consumer(redis_server, queue_keys, "a")
     groups = [make_group([1], seed=i) for i in range(3)]
-    accepted = producer.try_push(groups[:2])  # fills the backlog
+    producer.try_push(groups[:2])  # fills the backlog
     sent = _record_appends(producer)
-    assert producer.try_push(groups[2:]) == {}
-    assert producer.try_push(groups[:1]) == {"g0": accepted["g0"]}  # a repeat still returns its entry
+    assert producer.try_push(groups[2:]) == []
+    assert producer.try_push(groups[:1]) == ["g0"]  # a repeat is still accepted
     assert sent == []  # neither sent a payload
     consumer.commit(consumer.read(2, 100))
     assert list(producer.try_push(groups[2:])) == ["g2"]
@@ -323,62 +341,20 @@ def test_a_read_with_groups_to_hand_out_does_not_wait_for_more(redis_server, que
     assert time.monotonic() - start < 2.5  # neither read waited its 5 s for a new entry
 
 
-def _payload_keys(client, keys: QueueKeys) -> list[bytes]:
-    return sorted(client.scan_iter(match=f"{keys.prefix}:payload:*"))
-
-
-def test_a_large_group_travels_apart_and_its_payload_goes_at_commit(redis_server, queue_keys, monkeypatch) -> None:
-    monkeypatch.setattr(stream, "INLINE_MAX_BYTES", 0)  # every group is "large"
-    producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
-    groups = [make_group([3, 5], seed=i) for i in range(2)]
-    producer.push(groups)
-    fields = [fields for _, fields in producer.client.xrange(queue_keys.stream)]
-    assert [sorted(f) for f in fields] == [[b"i", b"n"]] * 2 and [f[b"i"] for f in fields] == [b"g0", b"g1"]
-    stored = _payload_keys(producer.client, queue_keys)
-    assert len(stored) == 2 and all(producer.client.pttl(key) == -1 for key in stored)  # no expiry once appended
-    got = consumer.read(2, 100)
-    assert [encode_group(c.group) for c in got] == [encode_group(g) for g in groups]
-    consumer.commit(got)
-    assert _payload_keys(producer.client, queue_keys) == [] and consumer.backlog() == 0
-
-
-def test_payloads_of_refused_or_repeated_pushes_are_not_left_behind(redis_server, queue_keys, monkeypatch) -> None:
-    monkeypatch.setattr(stream, "INLINE_MAX_BYTES", 0)
-    producer, consumer = _producer(redis_server, queue_keys, max_backlog=1), _consumer(redis_server, queue_keys, "a")
-    producer._room = 100  # a stale view of the room: both payloads are sent, the script refuses g1
-    assert list(producer.try_push([make_group([2], seed=0), make_group([2], seed=1)])) == ["g0"]
-    assert len(_payload_keys(producer.client, queue_keys)) == 1
-    producer._room = 100
-    assert list(producer.try_push([make_group([2], seed=0)])) == ["g0"]  # pushed before: this call's copy is dropped
-    assert len(_payload_keys(producer.client, queue_keys)) == 1
-    consumer.commit(consumer.read(1, 100))
-    producer._room = 100
-    assert list(producer.try_push([make_group([2], seed=0)])) == ["g0"]  # consumed since: nothing is kept
-    assert _payload_keys(producer.client, queue_keys) == []
-    # A retried call (same nonce, as after a lost reply) keeps its payload: its entry refers to it.
-    monkeypatch.setattr(stream.secrets, "token_hex", lambda n: "ab" * n)
-    assert producer._append([make_group([2], seed=2)]) == producer._append([make_group([2], seed=2)])
-    assert [c.group.group_id for c in consumer.read(2, 100)] == ["g2"]
-
-
-def test_an_entry_with_a_missing_or_mismatched_payload_is_dead_lettered(redis_server, queue_keys) -> None:
+def test_an_entry_naming_another_group_than_its_payload_is_dead_lettered(redis_server, queue_keys) -> None:
     client = connect(redis_server.url, redis_server.password)
     consumer = _consumer(redis_server, queue_keys, "a")
-    client.xadd(queue_keys.stream, {"i": "gX", "n": "abcd"})  # nothing stored under it
-    client.set(queue_keys.payload("abcd", "gY"), encode_group(make_group([2], seed=1)))
-    client.xadd(queue_keys.stream, {"i": "gY", "n": "abcd"})  # the payload is g1's
+    client.xadd(queue_keys.stream, {"i": "gY", "g": encode_group(make_group([2], seed=1))})  # the payload is g1's
     _producer(redis_server, queue_keys).push([make_group([2], seed=2)])
-    assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2"]
+    assert [c.group.group_id for c in consumer.read(2, 100)] == ["g2"]
     reasons = [fields[b"reason"] for _, fields in client.xrange(queue_keys.dead_letters)]
-    assert len(reasons) == 2 and b"missing" in reasons[0] and b"names group 'gY'" in reasons[1]
-    assert _payload_keys(client, queue_keys) == []  # the mismatched payload went with its dead letter
+    assert len(reasons) == 1 and b"names group b'gY'" in reasons[0]
 
 
-def test_a_group_listed_twice_in_one_append_gets_one_entry(redis_server, queue_keys, payload_path) -> None:
+def test_a_group_listed_twice_in_one_append_gets_one_entry(redis_server, queue_keys) -> None:
     producer = _producer(redis_server, queue_keys)
     accepted = producer.try_push([make_group([2], seed=5), make_group([2], seed=6), make_group([2], seed=5)])
-    assert sorted(accepted) == ["g5", "g6"] and producer.client.xlen(queue_keys.stream) == 2
-    assert producer.client.hlen(queue_keys.entry_groups) == 2
+    assert accepted == ["g5", "g6", "g5"] and _stream_groups(producer.client, queue_keys) == ["g5", "g6"]
 
 
 def test_the_command_packer_sends_payloads_uncopied_and_packs_small_commands_in_one_buffer() -> None:
