@@ -54,6 +54,7 @@ from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
 
 CONSUMER_GROUP = "learners"
+_Entry = tuple[bytes, dict[bytes, bytes]]  # a stream entry as redis-py returns it: (id, fields)
 # Payload bytes per push transaction. The server runs a transaction's XADDs in one go, holding every other client,
 # and its AOF buffer grows by the whole transaction (past 1 MB, in reallocations of 1 MB): 8 groups of 1.5 MB in one
 # transaction halved the throughput, measured. A push of small groups is still one transaction.
@@ -263,7 +264,10 @@ class TrajectoryProducer:
         end = 0
         for run in calls:
             end += len(run) + 3  # MULTI, the XADDs, EVAL, EXEC: the transaction's replies come with EXEC's
-            *run_statuses, self._room = replies[end - 1][-1]
+            admitted = replies[end - 1][-1]
+            if isinstance(admitted, Exception):  # the XADDs ran without it: a bug, not a condition to carry on from
+                raise admitted
+            *run_statuses, self._room = admitted
             statuses += run_statuses
         return [group.group_id for group, status in zip(groups, statuses, strict=True) if status]
 
@@ -311,10 +315,10 @@ class TrajectoryConsumer:
     def read(self, count: int, block_ms: int) -> list[ConsumedGroup]:
         """Up to `count` groups: own pending first (after a restart), then reclaimed, then new entries."""
         self._read_size = count
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        entries: list[_Entry] = []
         if self._own_pending_from is not None:
             # Entries this consumer name read before it restarted and never committed, `count` at a time.
-            own = self._read_new(count, None, self._own_pending_from)
+            own = self._read_entries(count, None, self._own_pending_from)
             entries += [e for e in own if e[1]]  # an entry deleted while pending comes back without fields
             self._own_pending_from = own[-1][0].decode() if len(own) == count else None
         if self._ahead and time.monotonic() - self._ahead[0][2] > self.reclaim_idle_ms / 2000:
@@ -339,16 +343,16 @@ class TrajectoryConsumer:
             entries += [(raw_id, fields) for raw_id, fields, _ in taken]
         if len(entries) < count and not self._ahead:  # entries read ahead come before any new one
             # Wait for new entries only with nothing else to hand out: the caller asked for up to `count`.
-            entries += self._read_new(count - len(entries), None if entries else block_ms)
+            entries += self._read_entries(count - len(entries), None if entries else block_ms)
         return self._decode(entries)
 
-    def _read_new(self, count: int, block_ms: int | None, after: str = ">") -> list[tuple[bytes, dict[bytes, bytes]]]:
+    def _read_entries(self, count: int, block_ms: int | None, after: str = ">") -> list[_Entry]:
         """XREADGROUP of up to `count` entries: new ones, or this consumer's pending ones `after` an id."""
         reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: after}, count=count,
                                        block=block_ms)  # fmt: skip
         return reply[0][1] if reply else []
 
-    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[ConsumedGroup]:
+    def _decode(self, entries: list[_Entry]) -> list[ConsumedGroup]:
         """The good groups not trained on nor in hand.
 
         An entry with the producer's `i` field was admitted as the only one of its group, never trained on (see
