@@ -12,7 +12,8 @@ Keys they share (see `stream.QueueKeys`):
 - the stream of entries, `{i: group id, g: wire bytes}`;
 - one push marker per group in the stream, set when ADMIT admits it and deleted when the group is retired
   (trained on or dropped): while a group is in the stream, or once it is in the trained set, ADMIT refuses
-  another copy of it; so every entry a producer wrote is the only one of its group and was never trained on;
+  another copy of it; so every entry a producer wrote is the only one of its group and was never trained on
+  (a dead-lettered group keeps its marker: bytes that failed to decode are not admitted again under its id);
 - the trained set of group ids;
 - the claims hash: places in the backlog reserved by a producer (CLAIM) for its next push, so that producers
   pushing into a nearly full backlog send only payloads that fit (each claim expires: a producer that dies
