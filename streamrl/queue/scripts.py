@@ -23,9 +23,10 @@ Keys they share (see `stream.QueueKeys`):
   looks again after a short timeout, so a token lost with a crashed producer costs a wait, never a group.
 """
 
-# Shared by CLAIM and ADMIT: the server's clock in ms, and the places claimed by producers other than `token` (claims
-# past their expiry are deleted on the way). A claim is `count:expiry_ms` under the claimant's token in the claims hash.
-_CLAIMS = """
+# Shared by CLAIM and ADMIT: the server's clock in ms; the places claimed by producers other than `token` (claims past
+# their expiry are deleted on the way; a claim is `count:expiry_ms` under the claimant's token in the claims hash); and
+# whether a group was pushed before (its marker exists: it is in the stream; or it is in the trained set).
+_PRELUDE = """
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local function claimed_by_others(claims, token)
@@ -41,6 +42,9 @@ local function claimed_by_others(claims, token)
   end
   return total
 end
+local function pushed_before(marker, trained, group_id)
+  return redis.call('EXISTS', marker) == 1 or redis.call('SISMEMBER', trained, group_id) == 1
+end
 """
 
 # KEYS: the stream, the claims hash, the trained set, then the push marker of each group to push. ARGV: the producer's
@@ -51,12 +55,12 @@ end
 # other producers). Returns the places reserved (0: none; the caller waits for the baton), then 1 for each group
 # pushed before, else 0.
 CLAIM = (
-    _CLAIMS
+    _PRELUDE
     + """
 local replies = {0}
 local wanted = 0
 for i = 4, #KEYS do
-  local before = redis.call('EXISTS', KEYS[i]) == 1 or redis.call('SISMEMBER', KEYS[3], ARGV[i + 1]) == 1
+  local before = pushed_before(KEYS[i], KEYS[3], ARGV[i + 1])
   replies[i - 2] = before and 1 or 0
   if not before then
     wanted = wanted + 1
@@ -84,14 +88,14 @@ return replies
 # admitted, 2 pushed before, 0 refused for want of room; then the room left, which, if any, is passed on to the next
 # waiting producer through the baton. Nothing else runs inside the transaction, so the bound is exact.
 ADMIT = (
-    _CLAIMS
+    _PRELUDE
     + """
 local n = #KEYS - 4
 local room = tonumber(ARGV[2]) - (redis.call('XLEN', KEYS[1]) - n) - claimed_by_others(KEYS[3], ARGV[1])
 local replies = {}
 local admitted = 0
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[4 + i]) == 1 or redis.call('SISMEMBER', KEYS[2], ARGV[2 + i]) == 1 then
+  if pushed_before(KEYS[4 + i], KEYS[2], ARGV[2 + i]) then
     replies[i] = 2
   elseif room > 0 then
     redis.call('SET', KEYS[4 + i], 1)
