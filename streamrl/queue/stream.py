@@ -98,9 +98,11 @@ class QueueKeys:
     def policy_version(self) -> str:
         return f"{self.prefix}:policy_version"
 
-    def pushed(self, group_id: str) -> str:
-        """Marker of a group admitted to the stream and not yet retired (makes a retried push idempotent)."""
-        return f"{self.prefix}:pushed:{group_id}"
+    @property
+    def markers(self) -> str:
+        """Hash: group id -> 1, the push marker of each group admitted to the stream and not yet retired (makes a
+        retried push idempotent)."""
+        return f"{self.prefix}:pushed"
 
 
 def client_for(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
@@ -217,9 +219,8 @@ class TrajectoryProducer:
     def _claim(self, groups: list[TrajectoryGroup], fewest: int) -> tuple[int, set[str]]:
         """Reserve places for the next append of those of `groups` not pushed before: as many as are free, or none if
         fewer than `fewest`. Returns the places reserved and the ids of the groups pushed before."""
-        granted, *before = self.client.eval(scripts.CLAIM, 3 + len(groups), self.keys.stream, self.keys.claims,
-                                            self.keys.trained, *[self.keys.pushed(group.group_id) for group in groups],
-                                            self.token, fewest, self.max_backlog, CLAIM_TTL_MS,
+        granted, *before = self.client.eval(scripts.CLAIM, 4, self.keys.stream, self.keys.claims, self.keys.trained,
+                                            self.keys.markers, self.token, fewest, self.max_backlog, CLAIM_TTL_MS,
                                             *[group.group_id for group in groups])  # fmt: skip
         self._room = granted
         return granted, {group.group_id for group, flag in zip(groups, before, strict=True) if flag}
@@ -255,9 +256,8 @@ class TrajectoryProducer:
             pipe.execute_command("MULTI")
             for group_id, data in run:
                 pipe.execute_command("XADD", self.keys.stream, "*", "i", group_id, "g", data)
-            pipe.eval(scripts.ADMIT, 4 + len(run), self.keys.stream, self.keys.trained, self.keys.claims,
-                      self.keys.room, *map(self.keys.pushed, group_ids), self.token, self.max_backlog,
-                      *group_ids)  # fmt: skip
+            pipe.eval(scripts.ADMIT, 5, self.keys.stream, self.keys.trained, self.keys.claims, self.keys.room,
+                      self.keys.markers, self.token, self.max_backlog, *group_ids)  # fmt: skip
             pipe.execute_command("EXEC")
         replies = pipe.execute()
         statuses: list[int] = []
@@ -413,9 +413,8 @@ class TrajectoryConsumer:
         """Run the retire script (one command: cheaper for the client than MULTI/EXEC, and as atomic) on the entries
         and the push markers of `group_ids`, which it records as trained if `record`; returns the stream's length
         after it. With `read_ahead`, the same round trip reads up to that many new entries ahead."""
-        args = (scripts.RETIRE, 3 + len(group_ids), self.keys.stream, self.keys.trained, self.keys.room,
-                *map(self.keys.pushed, group_ids), CONSUMER_GROUP, len(entry_ids), *entry_ids,
-                *(group_ids if record else ()))  # fmt: skip
+        args = (scripts.RETIRE, 4, self.keys.stream, self.keys.trained, self.keys.room, self.keys.markers,
+                CONSUMER_GROUP, int(record), len(entry_ids), *entry_ids, *group_ids)  # fmt: skip
         if not read_ahead:
             return int(self.client.eval(*args))
         pipe = self.client.pipeline(transaction=False)
