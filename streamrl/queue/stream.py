@@ -28,7 +28,7 @@ Delivery contract (the Lua scripts are in `scripts.py`):
 Crashes and retries: every call is bounded by socket timeouts, and a dropped connection is retried
 for `reconnect_timeout_s` (see `retry.py`), so clients ride out a server restart. A retried command
 may run twice; each is harmless when it does: a push's transaction finds its markers and deletes its
-copies; commit and drop (SADD, XACK, XDEL, DEL) are idempotent; a second dead letter only duplicates a
+copies; commit and drop (SADD, XACK, XDEL, HDEL) are idempotent; a second dead letter only duplicates a
 diagnostic record. A read whose reply was lost leaves its entries pending under this consumer: they are
 not lost, the reclaim pass hands them back once they have been idle `reclaim_idle_ms` (so do the entries
 a commit read ahead when its reply was lost or its read-ahead failed). The transaction is also what the
