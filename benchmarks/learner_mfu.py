@@ -116,7 +116,7 @@ def make_groups(args: argparse.Namespace, vocab: int) -> list:
         lengths = np.clip(rng.lognormal(np.log(args.mean_len), 0.8, args.n), 16, args.max_len).astype(int)
         trajs = tuple(Trajectory(rng.integers(0, vocab, L).astype(np.int32), -rng.random(L).astype(np.float32),
                                  np.zeros(L, np.int32), float(rng.random()), "stop") for L in lengths)  # fmt: skip
-        groups.append(TrajectoryGroup(f"g{g}", "bench", prompt, trajs))
+        groups.append(TrajectoryGroup.from_responses(f"g{g}", "bench", prompt, trajs))
     return groups
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     groups = make_groups(args, cfg["vocab_size"])
     (microbatches,) = plan_step(groups, 1, args.tokens_per_microbatch, "token_mean")
-    seq_lens = [len(g.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories]
+    seq_lens = [len(g.prompt_ids) + n for g in groups for n in g.lengths]
     cost = flops_cost_model(cfg)
     flops = training_flops(cost, microbatches)
 

@@ -64,7 +64,8 @@ def make_groups(tokens: int, count: int, tag: str) -> list[TrajectoryGroup]:
                    np.full(tokens, 3, np.int32), float(rng.random()), "length")
         for _ in range(RESPONSES)
     )  # fmt: skip
-    group = TrajectoryGroup("x", "engine-0", rng.integers(0, 150_000, PROMPT_TOKENS, dtype=np.int32), trajs)
+    prompt = rng.integers(0, 150_000, PROMPT_TOKENS, dtype=np.int32)
+    group = TrajectoryGroup.from_responses("x", "engine-0", prompt, trajs)
     return [dataclasses.replace(group, group_id=f"{tag}-{i}") for i in range(count)]
 
 
@@ -159,7 +160,8 @@ def tiny_groups() -> list[TrajectoryGroup]:
                           np.zeros(12, np.int32), 1.0, "stop")  # fmt: skip
 
     prompt = rng.integers(0, 64, 20, dtype=np.int32)
-    return [TrajectoryGroup("t", "engine-0", prompt, tuple(response() for _ in range(RESPONSES))) for _ in range(8)]
+    return [TrajectoryGroup.from_responses("t", "engine-0", prompt, [response() for _ in range(RESPONSES)])
+            for _ in range(8)]  # fmt: skip
 
 
 def codec_mb_s(tokens: int) -> dict[str, float]:

@@ -6,20 +6,22 @@ copies. Every token carries the policy version it was sampled under (invariant 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
 class Trajectory:
-    """One sampled response to a prompt."""
+    """One sampled response to a prompt (what a rollout engine returns; a group stores its responses per field)."""
 
     response_ids: np.ndarray  # int32[T]    sampled response tokens
     logprobs: np.ndarray  # float32[T]  behaviour-policy logprob of each response token (from vLLM)
     versions: np.ndarray  # int32[T]    policy version each token was sampled under
     reward: float  # task reward of the whole response
-    finish_reason: str  # "stop" (EOS) or "length" (max_tokens reached)
+    finish_reason: str  # "stop" (EOS), "length" (max_tokens reached) or "abort"
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -29,51 +31,74 @@ class Trajectory:
                 f"({len(self.versions)}) must have equal lengths"
             )
 
-    @classmethod
-    def unchecked(cls, response_ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray, reward: float,
-                  finish_reason: str) -> Trajectory:  # fmt: skip
-        """The same object without `__post_init__`'s check, for a decoder that has already checked the lengths.
-
-        About half the cost of the constructor (which goes through the frozen dataclass's `object.__setattr__`
-        per field): the queue's reader builds 8 of these per group.
-        """
-        trajectory = object.__new__(cls)
-        set_ids, set_logprobs, set_versions, set_reward, set_reason = _TRAJECTORY_SLOT_SETTERS  # unrolled: 8 per group
-        set_ids(trajectory, response_ids)
-        set_logprobs(trajectory, logprobs)
-        set_versions(trajectory, versions)
-        set_reward(trajectory, reward)
-        set_reason(trajectory, finish_reason)
-        return trajectory
-
-
-# The slot descriptors' setters, in field order: they write a frozen dataclass's slots directly.
-_TRAJECTORY_SLOT_SETTERS = tuple(getattr(Trajectory, field.name).__set__ for field in fields(Trajectory))
-
 
 @dataclass(frozen=True, slots=True)
 class TrajectoryGroup:
-    """All responses to one prompt: the unit of GRPO normalisation, of queueing and of acking."""
+    """All responses to one prompt: the unit of GRPO normalisation, of queueing and of acking.
+
+    The responses are stored per field, as the wire carries them: response i's tokens are the i-th run of
+    `lengths[i]` tokens of `response_ids`, and the same run of `logprobs` and `versions`. So the queue's reader hands
+    out a group as a few zero-copy views of the entry, with no object per response; `trajectories` builds those.
+    """
 
     group_id: str  # globally unique; recorded with the step that trained on it
     engine_id: str  # which rollout engine produced it
     prompt_ids: np.ndarray  # int32[P]  prompt tokens (chat template applied)
-    trajectories: tuple[Trajectory, ...]  # n responses
+    response_ids: np.ndarray  # int32[T]    every response's tokens, back to back (T = sum(lengths))
+    logprobs: np.ndarray  # float32[T]  behaviour-policy logprob of each response token (from vLLM)
+    versions: np.ndarray  # int32[T]    policy version each token was sampled under
+    lengths: tuple[int, ...]  # tokens of each of the n responses
+    rewards: np.ndarray  # float32[n]  task reward of each response
+    finish_reasons: tuple[str, ...]  # n values: "stop", "length" or "abort"
+
+    def __post_init__(self) -> None:
+        n, total = len(self.lengths), sum(self.lengths)
+        if min(self.lengths, default=0) < 0:
+            raise ValueError(f"group {self.group_id}: negative response length in lengths")
+        if len(self.response_ids) != total or len(self.logprobs) != total or len(self.versions) != total:
+            raise ValueError(
+                f"group {self.group_id}: response_ids ({len(self.response_ids)}), logprobs ({len(self.logprobs)}) "
+                f"and versions ({len(self.versions)}) must hold sum(lengths) = {total} tokens"
+            )
+        if len(self.rewards) != n or len(self.finish_reasons) != n:
+            raise ValueError(f"group {self.group_id}: rewards ({len(self.rewards)}) and finish_reasons "
+                             f"({len(self.finish_reasons)}) must have one value per response ({n})")  # fmt: skip
+
+    @classmethod
+    def from_responses(cls, group_id: str, engine_id: str, prompt_ids: np.ndarray,
+                       responses: Sequence[Trajectory]) -> TrajectoryGroup:  # fmt: skip
+        """The group of `responses`, their fields concatenated (one copy of each array)."""
+
+        def joined(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+        return cls(
+            group_id, engine_id, np.asarray(prompt_ids, np.int32),
+            joined([r.response_ids for r in responses], np.int32), joined([r.logprobs for r in responses], np.float32),
+            joined([r.versions for r in responses], np.int32), tuple(len(r.response_ids) for r in responses),
+            np.array([r.reward for r in responses], np.float32), tuple(r.finish_reason for r in responses),
+        )  # fmt: skip
+
+    @property
+    def trajectories(self) -> tuple[Trajectory, ...]:
+        """Each response as a `Trajectory` of views into the group's arrays."""
+        ends = list(accumulate(self.lengths))
+        return tuple(
+            Trajectory(self.response_ids[end - n : end], self.logprobs[end - n : end], self.versions[end - n : end],
+                       float(reward), reason)
+            for n, end, reward, reason in zip(self.lengths, ends, self.rewards.tolist(), self.finish_reasons,
+                                              strict=True)
+        )  # fmt: skip
 
     @property
     def min_version(self) -> int:
         """Oldest policy version of any token in the group (drives the staleness rule)."""
-        return min((int(t.versions.min()) for t in self.trajectories if len(t.versions)), default=0)
-
-    @property
-    def rewards(self) -> np.ndarray:
-        """float32[n] reward of each response."""
-        return np.array([t.reward for t in self.trajectories], dtype=np.float32)
+        return int(self.versions.min()) if len(self.versions) else 0
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus response tokens over all responses (what the learner processes)."""
-        return sum(len(self.prompt_ids) + len(t.response_ids) for t in self.trajectories)
+        return len(self.prompt_ids) * len(self.lengths) + len(self.response_ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from streamrl.types import TrajectoryGroup
 def _sizes(groups: Sequence[TrajectoryGroup]) -> tuple[np.ndarray, np.ndarray]:
     """Cumulative tokens and trainable sequences of each prefix of `groups` (int64[len(groups)] each)."""
     tokens = np.cumsum([g.num_tokens for g in groups], dtype=np.int64)
-    sequences = np.cumsum([sum(len(t.response_ids) > 0 for t in g.trajectories) for g in groups], dtype=np.int64)
+    sequences = np.cumsum([sum(n > 0 for n in g.lengths) for g in groups], dtype=np.int64)
     return tokens, sequences
 
 

@@ -214,7 +214,7 @@ class LearnerWorker:
                  wait_s: float) -> dict[str, float]:  # fmt: skip
         loss, tokens, clipped, truncated, is_sum, kl_sum, entropy_sum, kl_ref_sum = totals
         lags = np.array([self.version - 1 - g.min_version for g in groups], dtype=np.float32)
-        lengths = [len(t.response_ids) for g in groups for t in g.trajectories]
+        lengths = [n for g in groups for n in g.lengths]
         assert self.consumer is not None
         loss_cfg = self.config.loss
         regularizers = {"train/entropy": entropy_sum / max(tokens, 1)} if loss_cfg.entropy_coef > 0 else {}

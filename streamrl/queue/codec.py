@@ -8,8 +8,9 @@ Layout of one entry:
 
 Decoding never unpickles, checks the magic and version, every type, every size limit and that lengths
 agree; any violation raises `DecodeError` naming the field. The token arrays are zero-copy (and so
-read-only) `numpy.frombuffer` views of the entry bytes, and encoding copies each array once, straight
-into the output: moving a group costs about one memcpy of it at each end.
+read-only) `numpy.frombuffer` views of the entry bytes, as are the rewards; a group's arrays are stored per field
+like the entry's (`TrajectoryGroup`), so encoding copies each of its three token arrays once, straight into the
+output, and decoding builds no object per response: moving a group costs about one memcpy of it at each end.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from streamrl.types import Trajectory, TrajectoryGroup
+from streamrl.types import TrajectoryGroup
 
 SCHEMA_VERSION = 2  # 1 was a single msgpack map; its bins were copied on unpacking
 MAGIC = b"SRL"
@@ -38,26 +39,22 @@ class DecodeError(ValueError):
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
-    """Serialise a group; the token arrays of all responses are concatenated per field."""
-    trajs = group.trajectories
+    """Serialise a group: its per-field token arrays go out as they are."""
     header = msgpack.packb(
         {
             "gid": group.group_id,
             "eng": group.engine_id,
             "prompt": np.asarray(group.prompt_ids, dtype=_I32).tobytes(),
-            "lens": np.array([len(t.response_ids) for t in trajs], dtype=_I32).tobytes(),
-            "rew": np.array([t.reward for t in trajs], dtype=_F32).tobytes(),
-            "fin": [t.finish_reason for t in trajs],
+            "lens": np.array(group.lengths, dtype=_I32).tobytes(),
+            "rew": np.asarray(group.rewards, dtype=_F32).tobytes(),
+            "fin": list(group.finish_reasons),
         },
         use_bin_type=True,
     )
     padding = b"\0" * (-(_PREFIX + len(header)) % 8)  # 8-aligned arrays (the bytes object itself is 8-aligned)
-    parts: list[bytes | np.ndarray] = [MAGIC, bytes([SCHEMA_VERSION]), len(header).to_bytes(4, "little"), header,
-                                       padding]  # fmt: skip
-    for arrays, dtype in (([t.response_ids for t in trajs], _I32), ([t.logprobs for t in trajs], _F32),
-                          ([t.versions for t in trajs], _I32)):  # fmt: skip
-        parts += [np.ascontiguousarray(a, dtype=dtype) for a in arrays]
-    return b"".join(parts)
+    return b"".join([MAGIC, bytes([SCHEMA_VERSION]), len(header).to_bytes(4, "little"), header, padding,
+                     np.ascontiguousarray(group.response_ids, dtype=_I32), np.ascontiguousarray(group.logprobs, _F32),
+                     np.ascontiguousarray(group.versions, dtype=_I32)])  # fmt: skip
 
 
 def _field(msg: dict[str, Any], key: str, kind: type) -> Any:
@@ -119,17 +116,11 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
     ids = np.frombuffer(data, _I32, total, start)
     logprobs = np.frombuffer(data, _F32, total, start + 4 * total)
     versions = np.frombuffer(data, _I32, total, start + 8 * total)
-    rewards = _array(msg, "rew", _F32, len(lens)).tolist()
+    rewards = _array(msg, "rew", _F32, len(lens))
     finish = _field(msg, "fin", list)
     if len(finish) != len(lens) or not all(isinstance(f, str) and f in FINISH_REASONS for f in finish):
         raise DecodeError(f"fin: expected {len(lens)} values from {sorted(FINISH_REASONS)}")
-    if not all(map(math.isfinite, rewards)) or not np.isfinite(logprobs).all():
+    if not all(map(math.isfinite, rewards.tolist())) or not np.isfinite(logprobs).all():
         raise DecodeError("rew/lp: non-finite value")
-    # Each response is the same slice of all three arrays, so its lengths agree: skip the constructor's check.
-    trajectories = []
-    end = 0
-    for n, reward, reason in zip(lens, rewards, finish, strict=True):
-        begin, end = end, end + n
-        trajectories.append(Trajectory.unchecked(ids[begin:end], logprobs[begin:end], versions[begin:end], reward,
-                                                 reason))  # fmt: skip
-    return TrajectoryGroup(group_id, engine_id, _array(msg, "prompt", _I32), tuple(trajectories))
+    return TrajectoryGroup(group_id, engine_id, _array(msg, "prompt", _I32), ids, logprobs, versions, tuple(lens),
+                           rewards, tuple(finish))  # fmt: skip

@@ -20,8 +20,8 @@ Keys they share (see `stream.QueueKeys`):
 - the claims hash: places in the backlog reserved by a producer (CLAIM) for its next push, so that producers
   pushing into a nearly full backlog send only payloads that fit (each claim expires: a producer that dies
   holding one costs the others a wait, never a place);
-- the room baton, a list holding at most one token, pushed when room is freed (or left over by a push) and
-  popped by a producer waiting for room: waiters wake one at a time. It is only a wake-up, and a waiter also
+- the room baton, a list holding at most one token, pushed when room is freed (or left over by a push or a claim)
+  and popped by a producer waiting for room: waiters wake one at a time. It is only a wake-up, and a waiter also
   looks again after a short timeout, so a token lost with a crashed producer costs a wait, never a group.
 """
 
@@ -60,12 +60,13 @@ local function pushed_before(markers, trained, from)
 end
 """
 
-# KEYS: the stream, the claims hash, the trained set, the push markers. ARGV: the producer's token, the fewest places
-# worth taking, max backlog, claim TTL in ms, then the id of each group to push. Groups in the stream or trained on
-# were pushed before and need no place; for the others it reserves min(their number, room) places for the token's
-# next push if that is at least the fewest worth taking (lowered to their number), replacing any claim the token had
-# (room: the backlog bound less the stream's length and the live claims of other producers). Returns the places
-# reserved (0: none; the caller waits for the baton), then 1 for each group pushed before, else 0.
+# KEYS: the stream, the claims hash, the trained set, the push markers, the room baton. ARGV: the producer's token, the
+# fewest places worth taking, max backlog, claim TTL in ms, then the id of each group to push. Groups in the stream or
+# trained on were pushed before and need no place; for the others it reserves min(their number, room) places for the
+# token's next push if that is at least the fewest worth taking (lowered to their number), replacing any claim the
+# token had (room: the backlog bound less the stream's length and the live claims of other producers); room left over
+# goes on to the next waiting producer through the baton. Returns the places reserved (0: none; the caller waits for
+# the baton), then 1 for each group pushed before, else 0.
 CLAIM = (
     _PRELUDE
     + """
@@ -84,6 +85,9 @@ if grant <= 0 or grant < math.min(tonumber(ARGV[2]), wanted) then
   return replies
 end
 redis.call('HSET', KEYS[2], ARGV[1], grant .. ':' .. (now + tonumber(ARGV[4])))
+if room > grant and redis.call('LLEN', KEYS[5]) == 0 then
+  redis.call('RPUSH', KEYS[5], 1)
+end
 replies[1] = grant
 return replies
 """

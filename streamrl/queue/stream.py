@@ -10,7 +10,8 @@ Delivery contract (the Lua scripts are in `scripts.py`):
   of its group and was never trained on.
   Into a backlog last seen more than half full, a push first claims places (a small script that reserves
   room for this producer's next append, respecting other producers' claims) and sends only the payloads
-  that fit, rather than ones the admit script would delete; `push` waits on a baton that each commit passes.
+  that fit, rather than ones the admit script would delete. Into a backlog last seen without room for them,
+  `push` first waits on a baton that each commit passes on, and claims in the same round trip.
 - `TrajectoryConsumer.read` first reclaims entries left pending by a dead consumer (XAUTOCLAIM
   after `reclaim_idle_ms`, looked for at most every quarter of it), then reads new ones. Entries
   that fail to decode go to the dead-letter stream with the reason and are acked; groups already
@@ -179,7 +180,7 @@ class TrajectoryProducer:
         self.max_backlog, self.wait_timeout_s = max_backlog, wait_timeout_s
         self.backpressure_wait_s = 0.0  # cumulative time spent waiting on the backlog (a metric)
         self.token = secrets.token_hex(8)  # names this producer's claims
-        self._room = 0  # room the last append or claim saw (none known yet: the first push claims its places)
+        self._room: int | None = None  # room the last append or claim saw (None: not yet; the first push claims)
 
     def try_push(self, groups: list[TrajectoryGroup]) -> list[str]:
         """No waiting: append the groups that fit under the backlog bound (claiming their places first if the backlog
@@ -213,35 +214,44 @@ class TrajectoryProducer:
             left = [group for group in left if group.group_id not in accepted]
 
     def _crowded(self, count: int) -> bool:
-        """Whether appending `count` groups would leave the backlog, as last seen, more than half full."""
-        return self._room - count < self.max_backlog // 2
+        """Whether appending `count` groups would leave the backlog, as last seen, more than half full (or it was not
+        seen yet)."""
+        return self._room is None or self._room - count < self.max_backlog // 2
 
-    def _claim(self, groups: list[TrajectoryGroup], fewest: int) -> tuple[int, set[str]]:
+    def _claim(self, groups: list[TrajectoryGroup], fewest: int, wait_s: float | None = None) -> tuple[int, set[str]]:
         """Reserve places for the next append of those of `groups` not pushed before: as many as are free, or none if
-        fewer than `fewest`. Returns the places reserved and the ids of the groups pushed before."""
-        granted, *before = self.client.eval(scripts.CLAIM, 4, self.keys.stream, self.keys.claims, self.keys.trained,
-                                            self.keys.markers, self.token, fewest, self.max_backlog, CLAIM_TTL_MS,
-                                            *[group.group_id for group in groups])  # fmt: skip
+        fewer than `fewest`; with `wait_s`, after waiting that long at most for the room baton, in the same round trip.
+        Returns the places reserved and the ids of the groups pushed before."""
+        pipe = self.client.pipeline(transaction=False)
+        if wait_s is not None:
+            pipe.blpop([self.keys.room], timeout=wait_s)
+        pipe.eval(scripts.CLAIM, 5, self.keys.stream, self.keys.claims, self.keys.trained, self.keys.markers,
+                  self.keys.room, self.token, fewest, self.max_backlog, CLAIM_TTL_MS,
+                  *[group.group_id for group in groups])  # fmt: skip
+        granted, *before = pipe.execute()[-1]
         self._room = granted
         return granted, {group.group_id for group, flag in zip(groups, before, strict=True) if flag}
 
     def _claim_waiting(self, groups: list[TrajectoryGroup], deadline: float) -> tuple[int, set[str]]:
         # Wait on the room baton (pushed by each commit, and by an append that leaves room) rather than poll: waiters
-        # wake one at a time. The baton is a hint, so a waiter also claims again every WAIT_LOOK_S (a baton taken by a
-        # producer that then died is not lost for long).
+        # wake one at a time, and claim as they wake, in the round trip of the wait. The baton is a hint, so a waiter
+        # also claims again every WAIT_LOOK_S (a baton taken by a producer that then died is not lost for long).
         started = time.monotonic()
+        fewest = min(len(groups), self.max_backlog)
         try:
             while True:
-                granted, before = self._claim(groups, min(len(groups), self.max_backlog))
+                wait_s = None
+                if self._room is not None and self._room < fewest:  # no room for them when last seen: wait first
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"queue: backlog stayed at {self.max_backlog} groups for {self.wait_timeout_s}s "
+                            f"(is the learner consuming {self.keys.stream}?)"
+                        )
+                    wait_s = min(WAIT_LOOK_S, remaining)
+                granted, before = self._claim(groups, fewest, wait_s)
                 if granted or len(before) == len({group.group_id for group in groups}):
                     return granted, before
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"queue: backlog stayed at {self.max_backlog} groups for {self.wait_timeout_s}s "
-                        f"(is the learner consuming {self.keys.stream}?)"
-                    )
-                self.client.blpop([self.keys.room], timeout=min(WAIT_LOOK_S, remaining))
         finally:
             self.backpressure_wait_s += time.monotonic() - started
 

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from streamrl.queue.stream import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import build_reward
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.prompts import Prompt, PromptSource
-from streamrl.types import Trajectory, TrajectoryGroup
+from streamrl.types import TrajectoryGroup
 from streamrl.weights.transport import WeightGroup, receive_stages
 
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
@@ -123,18 +124,18 @@ class RolloutWorker:
             self._outbox.append(self._group(request_id, prompt, ids, samples))
 
     def _group(self, request_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[Sample]) -> TrajectoryGroup:
-        trajectories = tuple(
-            Trajectory(
-                response_ids=np.asarray(s.token_ids, dtype=np.int32),
-                logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                versions=np.asarray(s.versions, dtype=np.int32),
-                reward=float(self.reward(s.text, prompt.answer)),
-                finish_reason=s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
-            )
-            for s in samples
-        )
-        self.tokens_generated += sum(len(t.response_ids) for t in trajectories)
-        return TrajectoryGroup(request_id, self.engine_id, np.asarray(prompt_ids, np.int32), trajectories)
+        def joined(lists: list[list[Any]], dtype: type) -> np.ndarray:  # straight into one array per field
+            return np.fromiter(chain.from_iterable(lists), dtype, sum(map(len, lists)))
+
+        group = TrajectoryGroup(
+            request_id, self.engine_id, np.asarray(prompt_ids, np.int32),
+            joined([s.token_ids for s in samples], np.int32), joined([s.logprobs for s in samples], np.float32),
+            joined([s.versions for s in samples], np.int32), tuple(len(s.token_ids) for s in samples),
+            np.array([self.reward(s.text, prompt.answer) for s in samples], np.float32),
+            tuple(s.finish_reason if s.finish_reason in ("stop", "length") else "abort" for s in samples),
+        )  # fmt: skip
+        self.tokens_generated += len(group.response_ids)
+        return group
 
     def _flush_outbox(self) -> bool:
         """Push held groups if the stream has room; False while backpressure holds them back."""

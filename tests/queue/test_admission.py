@@ -12,7 +12,7 @@ def _group(group_id: str, *versions: list[int]) -> TrajectoryGroup:
         Trajectory(np.zeros(len(v), np.int32), np.zeros(len(v), np.float32), np.array(v, np.int32), 0.0, "stop")
         for v in versions
     )
-    return TrajectoryGroup(group_id, "engine-0", np.zeros(3, np.int32), trajs)
+    return TrajectoryGroup.from_responses(group_id, "engine-0", np.zeros(3, np.int32), trajs)
 
 
 def test_split_keeps_groups_within_max_staleness_in_order() -> None:

@@ -169,6 +169,31 @@ def test_a_waiting_push_completes_once_the_learner_commits(redis_server, queue_k
     assert [c.group.group_id for c in consumer.read(3, 100)] == ["g2", "g3"]
 
 
+def test_a_producer_that_saw_a_full_backlog_waits_before_it_claims(redis_server, queue_keys, monkeypatch) -> None:
+    monkeypatch.setattr(stream, "WAIT_LOOK_S", 5.0)  # only the baton wakes it within the test
+    producer, consumer = _producer(redis_server, queue_keys, max_backlog=2), _consumer(redis_server, queue_keys, "a")
+    producer.push([make_group([1], seed=i) for i in range(2)])  # its admit script reports no room left
+    producer.client.config_resetstat()
+    waiting = threading.Thread(target=producer.push, args=([make_group([1], seed=i) for i in (2, 3)],))
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive() and "cmdstat_eval" not in producer.client.info("commandstats")  # no claim yet
+    consumer.commit(consumer.read(2, 100))
+    waiting.join(timeout=2)
+    assert not waiting.is_alive()
+    assert producer.client.info("commandstats")["cmdstat_eval"]["calls"] == 3  # retire, then its claim and admit
+    assert _stream_groups(producer.client, queue_keys) == ["g2", "g3"]
+
+
+def test_a_claim_that_leaves_room_passes_the_baton_on(redis_server, queue_keys) -> None:
+    first, second = (_producer(redis_server, queue_keys, max_backlog=4) for _ in range(2))
+    assert first._claim([make_group([1], seed=i) for i in (0, 1)], 1)[0] == 2
+    assert first.client.lrange(queue_keys.room, 0, -1) == [b"1"]  # two places left: the next waiter wakes at once
+    first.client.delete(queue_keys.room)
+    assert second._claim([make_group([1], seed=i) for i in (2, 3)], 1)[0] == 2
+    assert first.client.llen(queue_keys.room) == 0  # none left
+
+
 def test_a_claim_keeps_its_places_from_other_producers_until_it_expires(redis_server, queue_keys, monkeypatch) -> None:
     monkeypatch.setattr(stream, "CLAIM_TTL_MS", 300)
     first, second = (_producer(redis_server, queue_keys, max_backlog=4) for _ in range(2))
