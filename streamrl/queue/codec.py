@@ -9,13 +9,15 @@ Layout of one entry:
 Decoding never unpickles, checks the magic and version, every type, every size limit and that lengths
 agree; any violation raises `DecodeError` naming the field. The token arrays are zero-copy (and so
 read-only) `numpy.frombuffer` views of the entry bytes, as are the rewards; a group's arrays are stored per field
-like the entry's (`TrajectoryGroup`), so encoding copies each of its three token arrays once, straight into the
-output, and decoding builds no object per response: moving a group costs about one memcpy of it at each end.
+like the entry's (`TrajectoryGroup`), so the producer sends its three token arrays as they are (`encode_payload`;
+`encode_group` joins them into one bytes object), and decoding builds no object per response: moving a group costs
+about one copy of it at each end, into and out of the socket.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -38,8 +40,19 @@ class DecodeError(ValueError):
     """A wire entry that cannot be decoded; the message names the field."""
 
 
-def encode_group(group: TrajectoryGroup) -> bytes:
-    """Serialise a group: its per-field token arrays go out as they are."""
+@dataclass(frozen=True, slots=True)
+class WirePayload:
+    """An encoded group as the bytes that precede its token arrays and the arrays themselves: sent one after the
+    other they are the entry's bytes, with no copy of the arrays into one buffer (the queue's command packer sends
+    them so)."""
+
+    head: bytes  # magic, version, header length, header, padding
+    arrays: tuple[memoryview, ...]  # the `ids`, `lp` and `ver` bytes
+    size: int  # bytes in all
+
+
+def encode_payload(group: TrajectoryGroup) -> WirePayload:
+    """The wire bytes of a group, in parts: its per-field token arrays are not copied."""
     header = msgpack.packb(
         {
             "gid": group.group_id,
@@ -51,10 +64,17 @@ def encode_group(group: TrajectoryGroup) -> bytes:
         },
         use_bin_type=True,
     )
-    padding = b"\0" * (-(_PREFIX + len(header)) % 8)  # 8-aligned arrays (the bytes object itself is 8-aligned)
-    return b"".join([MAGIC, bytes([SCHEMA_VERSION]), len(header).to_bytes(4, "little"), header, padding,
-                     np.ascontiguousarray(group.response_ids, dtype=_I32), np.ascontiguousarray(group.logprobs, _F32),
-                     np.ascontiguousarray(group.versions, dtype=_I32)])  # fmt: skip
+    padding = b"\0" * (-(_PREFIX + len(header)) % 8)  # 8-aligned arrays (a bytes object itself is 8-aligned)
+    head = b"".join([MAGIC, bytes([SCHEMA_VERSION]), len(header).to_bytes(4, "little"), header, padding])
+    arrays = tuple(memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B") for array, dtype in
+                   ((group.response_ids, _I32), (group.logprobs, _F32), (group.versions, _I32)))  # fmt: skip
+    return WirePayload(head, arrays, len(head) + sum(map(len, arrays)))
+
+
+def encode_group(group: TrajectoryGroup) -> bytes:
+    """The wire bytes of a group, in one object."""
+    payload = encode_payload(group)
+    return b"".join([payload.head, *payload.arrays])
 
 
 def _field(msg: dict[str, Any], key: str, kind: type) -> Any:

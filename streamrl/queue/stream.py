@@ -49,7 +49,7 @@ from redis.connection import HiredisRespSerializer, PythonRespSerializer
 
 from streamrl.config import QueueConfig
 from streamrl.queue import scripts
-from streamrl.queue.codec import MAX_ID_CHARS, DecodeError, decode_group, encode_group
+from streamrl.queue.codec import MAX_ID_CHARS, DecodeError, WirePayload, decode_group, encode_payload
 from streamrl.queue.overlap import execute_overlapped
 from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
@@ -123,21 +123,41 @@ def client_for(url: str, password: str | None = None, timeout_s: float = 10.0, r
 
 
 class _CommandPacker:
-    """Packs a command with a large argument in Python, any other in C (hiredis): hiredis copies every argument into
-    one buffer (1.1 ms for a push of 8 groups of 100 KB), where the Python packer hands large payloads to the socket as
-    they are; but for small arguments the Python packer costs more (30 µs for a commit's script call, hiredis 8)."""
+    """Packs a command with an encoded group (`WirePayload`) or another large argument in Python, any other in C
+    (hiredis): hiredis copies every argument into one buffer (1.1 ms for a push of 8 groups of 100 KB), where the
+    Python packer hands large arguments to the socket as they are, and a group's token arrays go out one after the
+    other as the bulk string of its entry, never joined; but for small arguments the Python packer costs more (30 µs
+    for a commit's script call, hiredis 8)."""
 
     LARGE = 6000  # bytes: the Python packer's own cutoff for sending an argument apart
 
     def __init__(self) -> None:
-        self._python = PythonRespSerializer(self.LARGE, Encoder("utf-8", "strict", False).encode)
+        self._encode = Encoder("utf-8", "strict", False).encode
+        self._python = PythonRespSerializer(self.LARGE, self._encode)
         self._hiredis = HiredisRespSerializer()
 
     def pack(self, *args: object) -> list[bytes | memoryview]:
         for arg in args:
+            if isinstance(arg, WirePayload):
+                return self._pack_payloads(args)
             if isinstance(arg, bytes | bytearray | memoryview) and len(arg) > self.LARGE:
                 return self._python.pack(*args)
         return self._hiredis.pack(*args)
+
+    def _pack_payloads(self, args: tuple[object, ...]) -> list[bytes | memoryview]:
+        """RESP for a command with payload arguments: small pieces joined, each token array a chunk of its own."""
+        chunks: list[bytes | memoryview] = []
+        pieces = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if isinstance(arg, WirePayload):
+                pieces += [b"$%d\r\n" % arg.size, arg.head]
+                chunks += [b"".join(pieces), *arg.arrays]
+                pieces = [b"\r\n"]
+            else:
+                data = self._encode(arg)
+                pieces += [b"$%d\r\n" % len(data), data, b"\r\n"]
+        chunks.append(b"".join(pieces))
+        return chunks
 
 
 _COMMAND_PACKER = _CommandPacker()
@@ -260,7 +280,7 @@ class TrajectoryProducer:
         XADDs and the admit script. Returns the ids of the groups admitted or pushed before (the entries of the
         others, and of copies, are gone before their transaction ends)."""
         pipe = self.client.pipeline(transaction=False)  # MULTI/EXEC by hand: several transactions in one round trip
-        calls = _runs([(group.group_id, encode_group(group)) for group in groups], TRANSACTION_MAX_BYTES)
+        calls = _runs([(group.group_id, encode_payload(group)) for group in groups], TRANSACTION_MAX_BYTES)
         for run in calls:
             group_ids = [group_id for group_id, _ in run]
             pipe.execute_command("MULTI")
@@ -282,16 +302,16 @@ class TrajectoryProducer:
         return [group.group_id for group, status in zip(groups, statuses, strict=True) if status]
 
 
-def _runs(items: list[tuple[str, bytes]], max_bytes: int) -> list[list[tuple[str, bytes]]]:
-    """Consecutive runs of (group id, wire bytes) of at most `max_bytes` each (a larger group goes alone)."""
-    runs: list[list[tuple[str, bytes]]] = []
+def _runs(items: list[tuple[str, WirePayload]], max_bytes: int) -> list[list[tuple[str, WirePayload]]]:
+    """Consecutive runs of (group id, payload) of at most `max_bytes` each (a larger group goes alone)."""
+    runs: list[list[tuple[str, WirePayload]]] = []
     size = 0
     for item in items:
-        if not runs or size + len(item[1]) > max_bytes:
+        if not runs or size + item[1].size > max_bytes:
             runs.append([])
             size = 0
         runs[-1].append(item)
-        size += len(item[1])
+        size += item[1].size
     return runs
 
 

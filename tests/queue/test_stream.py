@@ -6,7 +6,7 @@ import time
 import pytest
 
 from streamrl.queue import stream
-from streamrl.queue.codec import encode_group
+from streamrl.queue.codec import encode_group, encode_payload
 from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
 from tests.queue.test_codec import make_group
 
@@ -394,5 +394,10 @@ def test_the_command_packer_sends_payloads_uncopied_and_packs_small_commands_in_
     assert b"".join(chunks) == b"".join(
         [b"*6\r\n$4\r\nEVAL\r\n$8\r\nreturn 1\r\n$1\r\n1\r\n$1\r\nk\r\n", b"$25600\r\n", payload, b"\r\n$1\r\n7\r\n"]
     )
+    group = make_group([3000, 0, 5], seed=2)
+    parts = packer.pack("XADD", "s", "*", "i", "g2", "g", encode_payload(group))
+    assert b"".join(parts) == b"".join(packer._python.pack("XADD", "s", "*", "i", "g2", "g", encode_group(group)))
+    sent = [part.obj for part in parts[1:4]]
+    assert all(a is b for a, b in zip(sent, [group.response_ids, group.logprobs, group.versions], strict=True))  # as is
     small = packer.pack("XACK", "s", "learners", "1-0", 2.5)
     assert small == [b"*5\r\n$4\r\nXACK\r\n$1\r\ns\r\n$8\r\nlearners\r\n$3\r\n1-0\r\n$3\r\n2.5\r\n"]
