@@ -190,13 +190,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer bytes and repeats (a smoke run, ~30 s)")
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="tokens per response (default: all)")
     parser.add_argument("--producers", type=int, nargs="+", default=PRODUCERS, help="producer counts (default: all)")
-    parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 7, --quick 1)")
+    parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 11, --quick 1)")
     parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
     parser.add_argument("--max-backlog", type=int, default=MAX_BACKLOG,
                         help=f"streamrl producers' backlog bound (default {MAX_BACKLOG}, the config's; the raw loop "
                              "has none: a bound above a run's groups measures the queue without its flow control)")
     args = parser.parse_args()
-    repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (7, 512, 300)
+    repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (11, 512, 300)
     repeats = args.repeats or repeats
     mp = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="queue-bench-") as data_dir, EmbeddedRedis(Path(data_dir)) as server:
