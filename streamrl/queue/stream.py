@@ -253,7 +253,7 @@ class TrajectoryProducer:
         return granted, {group.group_id for group, flag in zip(groups, before, strict=True) if flag}
 
     def _claim_waiting(self, groups: list[TrajectoryGroup], deadline: float) -> tuple[int, set[str]]:
-        # Wait on the room baton (pushed by each commit, and by an append that leaves room) rather than poll: waiters
+        # Wait on the room baton (pushed by each commit, by an append or a claim leaving room) rather than poll: waiters
         # wake one at a time, and claim as they wake, in the round trip of the wait. The baton is a hint, so a waiter
         # also claims again every WAIT_LOOK_S (a baton taken by a producer that then died is not lost for long).
         started = time.monotonic()
