@@ -6,7 +6,8 @@ Usage: `python benchmarks/queue_throughput.py [--quick] [--tokens 1024 ...] [--p
 Groups of 8 responses x 1k/4k/16k tokens (int32 ids, float32 logprobs, int32 versions, 256 prompt
 tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and consumed by one reader
 in this process, on an embedded server (appendfsync everysec, the default), 512 MB a run. streamrl mode:
-`TrajectoryProducer.push` (encode; into a backlog more than half full, claim places first; then one round
+`TrajectoryProducer.push` (encode, the token arrays sent as they are; into a backlog more than half full,
+claim places first, in the round trip of the wait for the room baton when it was full; then one round
 trip: a MULTI/EXEC transaction per MB of groups, of their XADDs and the admit script, which keeps them
 under the backlog bound and idempotent) and `TrajectoryConsumer.read` + `commit` (XREADGROUP, decode,
 then one atomic script call for XACK/XDEL/SADD and the push markers, which under load also keeps two
@@ -14,7 +15,7 @@ reads' worth of entries read ahead in its round trip and decodes the next read's
 flight). Raw mode: pre-encoded bytes of the
 same sizes, XADD pipelined 8 per round trip (no backlog bound), XREADGROUP count 8 then XACK+XDEL
 pipelined. Both go through the same client. The modes alternate run by run and each number is the
-median of the repeats (7: single runs on a shared VM vary by a factor of up to 2; the table also gives
+median of the repeats (11: single runs on a shared VM vary by a factor of up to 2; the table also gives
 the range of the ratios of the runs paired in time). Also measured: the queue time of one learner step
 of the tiny config (read + commit of 8 groups of 8 x 12 tokens).
 """
