@@ -48,8 +48,9 @@ from streamrl.loss.objective import microbatch_objective
 from streamrl.loss.regularizers import RegularizerStats
 from streamrl.net import free_port
 from streamrl.queue.admission import lag_histogram, split_by_staleness
+from streamrl.queue.client import connect_for
 from streamrl.queue.codec import decode_group, encode_group
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, connect_for
+from streamrl.queue.stream import QueueKeys, TrajectoryConsumer
 from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
 from streamrl.weights.transport import WeightGroup
 

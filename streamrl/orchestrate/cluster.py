@@ -21,8 +21,9 @@ from typing import Any
 
 from streamrl.config import Config
 from streamrl.net import free_port
+from streamrl.queue.client import connect_for
 from streamrl.queue.server import EmbeddedRedis
-from streamrl.queue.stream import QueueKeys, connect_for
+from streamrl.queue.stream import QueueKeys
 
 logger = logging.getLogger(__name__)
 

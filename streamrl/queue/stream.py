@@ -38,20 +38,15 @@ AOF holds, whole, so a server killed and restarted never replays an entry withou
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from dataclasses import dataclass
 
 import redis
-from redis._parsers import Encoder
-from redis.connection import HiredisRespSerializer, PythonRespSerializer
 
-from streamrl.config import QueueConfig
 from streamrl.queue import scripts
 from streamrl.queue.codec import MAX_ID_CHARS, DecodeError, WirePayload, decode_group, encode_payload
 from streamrl.queue.overlap import execute_overlapped
-from streamrl.queue.retry import ReconnectWindow
 from streamrl.types import ConsumedGroup, TrajectoryGroup
 
 CONSUMER_GROUP = "learners"
@@ -104,85 +99,6 @@ class QueueKeys:
         """Hash: group id -> 1, the push marker of each group admitted to the stream and not yet retired (makes a
         retried push idempotent)."""
         return f"{self.prefix}:pushed"
-
-
-def client_for(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
-               username: str | None = None) -> redis.Redis:  # fmt: skip
-    """The client `connect` checks and returns, before any connection is opened.
-
-    Every command is bounded by `timeout_s` and retried on connection loss for `reconnect_timeout_s`. `password`
-    and `username` default to $REDIS_PASSWORD and $REDIS_USERNAME (an ACL user). A rediss:// URL connects over
-    TLS, with redis-py's TLS options taken from the URL's query (e.g. `?ssl_ca_certs=ca.pem&ssl_cert_reqs=required`).
-    """
-    password = password if password is not None else os.environ.get("REDIS_PASSWORD")
-    username = username if username is not None else os.environ.get("REDIS_USERNAME")
-    return redis.Redis.from_url(
-        url, username=username, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=ReconnectWindow(reconnect_timeout_s), command_packer=_COMMAND_PACKER,
-    )  # fmt: skip
-
-
-class _CommandPacker:
-    """Packs a command with an encoded group (`WirePayload`) or another large argument in Python, any other in C
-    (hiredis): hiredis copies every argument into one buffer (1.1 ms for a push of 8 groups of 100 KB), where the
-    Python packer hands large arguments to the socket as they are, and a group's token arrays go out one after the
-    other as the bulk string of its entry, never joined; but for small arguments the Python packer costs more (30 µs
-    for a commit's script call, hiredis 8)."""
-
-    LARGE = 6000  # bytes: the Python packer's own cutoff for sending an argument apart
-
-    def __init__(self) -> None:
-        self._encode = Encoder("utf-8", "strict", False).encode
-        self._python = PythonRespSerializer(self.LARGE, self._encode)
-        self._hiredis = HiredisRespSerializer()
-
-    def pack(self, *args: object) -> list[bytes | memoryview]:
-        for arg in args:
-            if isinstance(arg, WirePayload):
-                return self._pack_payloads(args)
-            if isinstance(arg, bytes | bytearray | memoryview) and len(arg) > self.LARGE:
-                return self._python.pack(*args)
-        return self._hiredis.pack(*args)
-
-    def _pack_payloads(self, args: tuple[object, ...]) -> list[bytes | memoryview]:
-        """RESP for a command with payload arguments: small pieces joined, each token array a chunk of its own."""
-        chunks: list[bytes | memoryview] = []
-        pieces = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            if isinstance(arg, WirePayload):
-                pieces += [b"$%d\r\n" % arg.size, arg.head]
-                chunks += [b"".join(pieces), *arg.arrays]
-                pieces = [b"\r\n"]
-            else:
-                data = self._encode(arg)
-                pieces += [b"$%d\r\n" % len(data), data, b"\r\n"]
-        chunks.append(b"".join(pieces))
-        return chunks
-
-
-_COMMAND_PACKER = _CommandPacker()
-
-
-def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
-            username: str | None = None) -> redis.Redis:  # fmt: skip
-    """`client_for`, checked with a PING: a refused password raises PermissionError at once."""
-    client = client_for(url, password, timeout_s, reconnect_timeout_s, username)
-    user = client.connection_pool.connection_kwargs.get("username")  # from the URL, the argument or $REDIS_USERNAME
-    who = f"user {user!r}" if user else "the default user"
-    try:
-        client.ping()
-    except redis.AuthenticationError as exc:
-        raise PermissionError(f"queue: Redis at {url} refused the password of {who} ({exc})") from None
-    except redis.ResponseError as exc:
-        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-            raise PermissionError(f"queue: Redis at {url} refused the password of {who} ({exc})") from None
-        raise
-    return client
-
-
-def connect_for(queue: QueueConfig, url: str, password: str | None) -> redis.Redis:
-    """`connect` with the run's reconnect window and ACL user (what every stage of a run uses)."""
-    return connect(url, password, reconnect_timeout_s=queue.reconnect_timeout_s, username=queue.username)
 
 
 class TrajectoryProducer:

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from streamrl.config import Config
-from streamrl.queue.stream import QueueKeys, TrajectoryProducer, connect_for
+from streamrl.queue.client import connect_for
+from streamrl.queue.stream import QueueKeys, TrajectoryProducer
 from streamrl.rewards import build_reward
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.prompts import Prompt, PromptSource

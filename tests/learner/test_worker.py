@@ -13,7 +13,8 @@ from pathlib import Path
 
 from streamrl.config import build_config
 from streamrl.learner.parallel import destroy_parallel
-from streamrl.queue.stream import QueueKeys, TrajectoryProducer, connect
+from streamrl.queue.client import connect
+from streamrl.queue.stream import QueueKeys, TrajectoryProducer
 from tests.learner.ranks import free_port
 from tests.queue.test_codec import make_group
 

@@ -11,8 +11,9 @@ import uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamrl.queue.client import connect
 from streamrl.queue.codec import DecodeError, decode_group, encode_group
-from streamrl.queue.stream import CONSUMER_GROUP, QueueKeys, TrajectoryConsumer, connect
+from streamrl.queue.stream import CONSUMER_GROUP, QueueKeys, TrajectoryConsumer
 from tests.queue.test_codec import make_group
 
 ENTRY_LIMIT = 4096

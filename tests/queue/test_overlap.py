@@ -3,8 +3,8 @@
 import pytest
 import redis
 
+from streamrl.queue.client import connect
 from streamrl.queue.overlap import execute_overlapped
-from streamrl.queue.stream import connect
 
 
 def test_the_work_runs_after_the_commands_reached_the_server(redis_server, queue_keys) -> None:

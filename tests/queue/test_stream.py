@@ -6,8 +6,9 @@ import time
 import pytest
 
 from streamrl.queue import stream
-from streamrl.queue.codec import encode_group, encode_payload
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer, connect
+from streamrl.queue.client import connect
+from streamrl.queue.codec import encode_group
+from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from tests.queue.test_codec import make_group
 
 
@@ -384,20 +385,3 @@ def test_a_group_listed_twice_in_one_append_gets_one_entry(redis_server, queue_k
     full._room = 100  # a stale view of the room: every payload is sent, the admit script keeps one
     assert full.try_push([make_group([2], seed=0), make_group([2], seed=1), make_group([2], seed=1)]) == ["g0"]
     assert _stream_groups(full.client, full.keys) == ["g0"] and full.client.hkeys(full.keys.markers) == [b"g0"]
-
-
-def test_the_command_packer_sends_payloads_uncopied_and_packs_small_commands_in_one_buffer() -> None:
-    packer = stream._COMMAND_PACKER
-    payload = bytes(range(256)) * 100  # 25.6 KB: a payload
-    chunks = packer.pack("EVAL", "return 1", 1, "k", payload, 7)
-    assert any(chunk is payload for chunk in chunks)  # handed to the socket as it is
-    assert b"".join(chunks) == b"".join(
-        [b"*6\r\n$4\r\nEVAL\r\n$8\r\nreturn 1\r\n$1\r\n1\r\n$1\r\nk\r\n", b"$25600\r\n", payload, b"\r\n$1\r\n7\r\n"]
-    )
-    group = make_group([3000, 0, 5], seed=2)
-    parts = packer.pack("XADD", "s", "*", "i", "g2", "g", encode_payload(group))
-    assert b"".join(parts) == b"".join(packer._python.pack("XADD", "s", "*", "i", "g2", "g", encode_group(group)))
-    sent = [part.obj for part in parts[1:4]]
-    assert all(a is b for a, b in zip(sent, [group.response_ids, group.logprobs, group.versions], strict=True))  # as is
-    small = packer.pack("XACK", "s", "learners", "1-0", 2.5)
-    assert small == [b"*5\r\n$4\r\nXACK\r\n$1\r\ns\r\n$8\r\nlearners\r\n$3\r\n1-0\r\n$3\r\n2.5\r\n"]
