@@ -194,6 +194,8 @@ def main() -> None:
     parser.add_argument("--producers", type=int, nargs="+", default=PRODUCERS, help="producer counts (default: all)")
     parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 11, --quick 1)")
     parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
+    parser.add_argument("--data-dir", type=Path, help="where the server keeps its AOF (default: a temporary directory "
+                        "in $TMPDIR; e.g. /dev/shm keeps the disk's writeback out of the measurement)")
     parser.add_argument("--max-backlog", type=int, default=MAX_BACKLOG,
                         help=f"streamrl producers' backlog bound (default {MAX_BACKLOG}, the config's; the raw loop "
                              "has none: a bound above a run's groups measures the queue without its flow control)")
@@ -201,7 +203,8 @@ def main() -> None:
     repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (11, 512, 300)
     repeats = args.repeats or repeats
     mp = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="queue-bench-") as data_dir, EmbeddedRedis(Path(data_dir)) as server:
+    with (tempfile.TemporaryDirectory(prefix="queue-bench-", dir=args.data_dir) as data_dir,
+          EmbeddedRedis(Path(data_dir)) as server):
         client = connect(server.url, server.password)
         client.config_set("auto-aof-rewrite-percentage", 0)  # rewrites happen between runs, not inside one
         ready, go = mp.Queue(), mp.Event()
@@ -246,7 +249,8 @@ def main() -> None:
     print("codec (one process):", json.dumps(codec))
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
               "command": " ".join(["python", "benchmarks/queue_throughput.py", *sys.argv[1:]]),
-              "appendfsync": "everysec", "repeats": repeats, "max_backlog": args.max_backlog, "rows": rows,
+              "appendfsync": "everysec", "data_dir": str(args.data_dir or tempfile.gettempdir()),
+              "repeats": repeats, "max_backlog": args.max_backlog, "rows": rows,
               "tiny_step": tiny, "codec": codec}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
