@@ -83,7 +83,7 @@ class EmbeddedRedis:
     def restart(self, timeout_s: float = 20.0) -> EmbeddedRedis:
         """Start again on the same port, password and directory (stopping it first if it runs): the AOF is replayed.
 
-        Clients made by `queue.stream.connect` reconnect by themselves within their reconnect window.
+        Clients made by `queue.client.connect` reconnect by themselves within their reconnect window.
         """
         self.stop()
         return self.start(timeout_s)
