@@ -1,7 +1,7 @@
 """Queue throughput: streamrl's producer/consumer against a raw redis-py loop moving the same bytes.
 
 Usage: `python benchmarks/queue_throughput.py [--quick] [--tokens 1024 ...] [--producers 1 ...] [--repeats N]
-[--out PATH]`. Prints a table and writes `benchmarks/results/queue_throughput.json` (or `--out`).
+[--out PATH] [--data-dir DIR]`. Prints a table and writes `benchmarks/results/queue_throughput.json` (or `--out`).
 
 Groups of 8 responses x 1k/4k/16k tokens (int32 ids, float32 logprobs, int32 versions, 256 prompt
 tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and consumed by one reader
@@ -14,7 +14,8 @@ then one atomic script call for XACK/XDEL/SADD and the push markers, which under
 reads' worth of entries read ahead in its round trip and decodes the next read's groups while it is in
 flight). Raw mode: pre-encoded bytes of the
 same sizes, XADD pipelined 8 per round trip (no backlog bound), XREADGROUP count 8 then XACK+XDEL
-pipelined. Both go through the same client. The modes alternate run by run and each number is the
+pipelined. Both go through the same client (`queue.client.connect`: large arguments unjoined, a command's
+chunks in one sendmsg). The modes alternate run by run and each number is the
 median of the repeats (11: single runs on a shared VM vary by a factor of up to 2; the table also gives
 the range of the ratios of the runs paired in time). Also measured: the queue time of one learner step
 of the tiny config (read + commit of 8 groups of 8 x 12 tokens).
