@@ -59,7 +59,8 @@ def test_a_gathered_send_that_the_socket_takes_in_parts_delivers_every_byte_in_o
     reader.join(timeout=30)
     assert bytes(received) == b"".join(chunks)
     assert max(calls) == queue_client._MAX_BUFFERS and len(calls) > 2  # partial sends went on where they stopped
-    sender.close(), receiver.close()
+    sender.close()
+    receiver.close()
 
 
 def test_a_send_that_times_out_raises_redis_timeout_and_closes_the_connection() -> None:
