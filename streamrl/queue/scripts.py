@@ -15,7 +15,10 @@ Keys they share (see `stream.QueueKeys`):
   ADMIT refuses another copy of it; so every entry a producer wrote is the only one of its group and was never
   trained on (a dead-lettered group keeps its marker: bytes that failed to decode are not admitted again under its
   id). One hash rather than a key per group: each script takes a fixed set of keys, and reads or writes the
-  markers of all its groups in one command (as fast as a key per group, measured);
+  markers of all its groups in one command (as fast as a key per group, measured).
+  A marker's value is longer than `hash-max-ziplist-value` (64 bytes by default; `hash-max-listpack-value` since Redis
+  7), which keeps the hash a hash table: as a ziplist (up to 512 fields by default) every HMGET, HSET and HDEL scans
+  all its fields: with a backlog of 256 groups, over a third of the scripts' server time (perf, 1k groups);
 - the trained set of group ids;
 - the claims hash: places in the backlog reserved by a producer (CLAIM) for its next push, so that producers
   pushing into a nearly full backlog send only payloads that fit (each claim expires: a producer that dies
@@ -109,6 +112,7 @@ local n = #ARGV - 2
 local room = tonumber(ARGV[2]) - (redis.call('XLEN', KEYS[1]) - n) - claimed_by_others(KEYS[3], ARGV[1])
 local before = pushed_before(KEYS[5], KEYS[2], 3)
 local replies, marked, marks = {}, {}, {}
+local mark = string.rep('m', 65)  -- longer than hash-max-ziplist-value: see the module docstring
 for i = 1, n do
   local group_id = ARGV[2 + i]
   if before[i] or marked[group_id] then
@@ -117,7 +121,7 @@ for i = 1, n do
     room = room - 1
     marked[group_id] = true
     marks[#marks + 1] = group_id
-    marks[#marks + 1] = 1
+    marks[#marks + 1] = mark
     replies[i] = 1
   else
     replies[i] = 0

@@ -302,6 +302,13 @@ def test_push_markers_live_while_their_group_is_in_the_stream(redis_server, queu
     assert _stream_groups(client, queue_keys) == ["g3", "g0"]
 
 
+def test_the_push_markers_stay_a_hash_table(redis_server, queue_keys) -> None:
+    # A small hash would be a ziplist (listpack since Redis 7): every lookup of a marker would scan all of them.
+    producer = _producer(redis_server, queue_keys)
+    producer.push([make_group([2], seed=0)])
+    assert producer.client.object("encoding", queue_keys.markers) == b"hashtable"
+
+
 def test_a_commit_reads_ahead_and_decodes_the_next_batch_while_in_flight(redis_server, queue_keys,
                                                                         monkeypatch) -> None:  # fmt: skip
     producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
