@@ -1,9 +1,10 @@
 """Megatron's DDP + optimizer as the learner uses them (`streamrl.learner.optimizer`), float32/bfloat16 on CPU/gloo.
 
 - One step through `run_microbatches` with Megatron's DDP and distributed optimizer equals a plain torch step on
-  the same loss (the whole step's micro-batches, backward, clip by the global norm, torch AdamW) within 1e-5, at
-  DP=1 in this process and at DP=2 in two spawned gloo ranks that split the micro-batches: gradients are summed
-  over DP (the loss is normalised over the global step), and the updated parameters are gathered on every rank.
+  the same loss (the whole step's micro-batches, backward, clip by the global norm, torch AdamW): the norm within
+  1e-5 relative, each parameter within 5e-5 (0.5 % of the learning rate; see PARAM_TOL), at DP=1 in this process
+  and at DP=2 in two spawned gloo ranks that split the micro-batches: gradients are summed over DP (the loss is
+  normalised over the global step), and the updated parameters are gathered on every rank.
 - bfloat16 parameters keep float32 master weights and Adam state, and the step writes the master weights, rounded,
   back into the model (the norms' weights stay float32: Megatron's torch norms ignore params_dtype).
 - Selective and full recomputation leave the loss and every gradient unchanged (within 1e-6).
@@ -64,9 +65,10 @@ def _torch_step(model_dir: Path) -> tuple[float, dict[str, torch.Tensor]]:
     return norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-# Adam normalises each update, so a gradient element near zero whose last bits differ (another reduction order:
-# NCCL over 2 GPUs, measured 1.1e-5 on H200) moves by up to ~lr; gloo on the host stays within 1e-5.
-PARAM_TOL = 3e-5 if torch.cuda.is_available() else 1e-5
+# Adam normalises each update, so a gradient element near zero whose last bits differ (another reduction order)
+# moves by up to ~lr (1e-2). Measured over 2 ranks: 1.1e-5 with NCCL on H200, 2.5e-5 with gloo on an AMD EPYC host
+# (below 1e-5 on an Intel one). The grad norm, checked to 1e-5 relative, is what catches a wrong sum or clip.
+PARAM_TOL = 5e-5
 
 
 def _assert_close(result: tuple[float, dict], expected: tuple[float, dict]) -> None:
