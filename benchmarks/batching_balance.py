@@ -39,8 +39,15 @@ from streamrl.batching.cost import CostModel, flops_cost_model  # noqa: E402
 from streamrl.batching.pack import pack_microbatches  # noqa: E402
 from streamrl.batching.partition import balanced_partition  # noqa: E402
 
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=12288, vocab_size=151936)  # fmt: skip
+QWEN3_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+)
 BUDGET = 16_384
 RANKS = (8, 64, 512)
 STEP_SEQUENCES = 100_000
@@ -86,8 +93,11 @@ def plan_streamrl(lengths: np.ndarray, ranks: int, cost: CostModel) -> dict:
 
 
 METHODS: dict[str, Callable[[np.ndarray, int, CostModel], dict]] = {
-    "fixed+pad": plan_fixed, "stride": plan_stride, "LPT": plan_lpt, "streamrl": plan_streamrl,
-}  # fmt: skip
+    "fixed+pad": plan_fixed,
+    "stride": plan_stride,
+    "LPT": plan_lpt,
+    "streamrl": plan_streamrl,
+}
 
 
 def evaluate(plan: dict, lengths: np.ndarray, ranks: int, cost: CostModel) -> dict:
@@ -96,8 +106,12 @@ def evaluate(plan: dict, lengths: np.ndarray, ranks: int, cost: CostModel) -> di
         shards, size = lengths[plan["shards"]], plan["size"]
         chunks = [shards[:, i : i + size] for i in range(0, shards.shape[1], size)]
         padded = np.concatenate([np.repeat(c.max(1, keepdims=True), c.shape[1], axis=1) for c in chunks], axis=1)
-        return dict(loads=cost(padded).sum(1), padding=1 - shards.sum() / padded.sum(),
-                    microbatches=-(-shards.shape[1] // size), fillers=0)  # fmt: skip
+        return dict(
+            loads=cost(padded).sum(1),
+            padding=1 - shards.sum() / padded.sum(),
+            microbatches=-(-shards.shape[1] // size),
+            fillers=0,
+        )
     packing = plan["packing"]
     return dict(
         loads=np.bincount(plan["rank_of"], weights=cost(lengths), minlength=ranks),
@@ -107,8 +121,9 @@ def evaluate(plan: dict, lengths: np.ndarray, ranks: int, cost: CostModel) -> di
     )
 
 
-def plan_ms(method: Callable[[np.ndarray, int, CostModel], dict], lengths: np.ndarray, ranks: int,
-            cost: CostModel) -> float:  # fmt: skip
+def plan_ms(
+    method: Callable[[np.ndarray, int, CostModel], dict], lengths: np.ndarray, ranks: int, cost: CostModel
+) -> float:
     """Median wall time of planning the step (partition + packing, index-level: no tensors are built)."""
     times = []
     for _ in range(REPEATS):
@@ -119,11 +134,22 @@ def plan_ms(method: Callable[[np.ndarray, int, CostModel], dict], lengths: np.nd
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    return dict(cpu=cpu, nproc=nproc, python=platform.python_version(), numpy=np.__version__,
-                date=datetime.now(UTC).strftime("%Y-%m-%d"))  # fmt: skip
+    return dict(
+        cpu=cpu,
+        nproc=nproc,
+        python=platform.python_version(),
+        numpy=np.__version__,
+        date=datetime.now(UTC).strftime("%Y-%m-%d"),
+    )
 
 
 def main() -> None:
@@ -135,22 +161,38 @@ def main() -> None:
                 lengths = draw(step, np.random.default_rng(ranks))
                 for name, method in METHODS.items():
                     result = evaluate(method(lengths, ranks, cost), lengths, ranks, cost)
-                    rows.append(dict(distribution=dist_name, ranks=ranks, sequences=step, method=name,
-                                     max_over_mean=float(result["loads"].max() / result["loads"].mean()),
-                                     padding=float(result["padding"]), microbatches_per_rank=result["microbatches"],
-                                     fillers=result["fillers"],
-                                     plan_ms=plan_ms(method, lengths, ranks, cost) if step == STEP_SEQUENCES
-                                     else None))  # fmt: skip
-    header = f"{'distribution':14} {'ranks':>5} {'seqs':>7} {'method':10} {'max/mean':>9} {'padding':>8} " \
-             f"{'mb/rank':>8} {'fillers':>7} {'plan ms':>8}"  # fmt: skip
+                    rows.append(
+                        dict(
+                            distribution=dist_name,
+                            ranks=ranks,
+                            sequences=step,
+                            method=name,
+                            max_over_mean=float(result["loads"].max() / result["loads"].mean()),
+                            padding=float(result["padding"]),
+                            microbatches_per_rank=result["microbatches"],
+                            fillers=result["fillers"],
+                            plan_ms=plan_ms(method, lengths, ranks, cost) if step == STEP_SEQUENCES else None,
+                        )
+                    )
+    header = (
+        f"{'distribution':14} {'ranks':>5} {'seqs':>7} {'method':10} {'max/mean':>9} {'padding':>8} "
+        f"{'mb/rank':>8} {'fillers':>7} {'plan ms':>8}"
+    )
     print(header)
     for r in rows:
         plan = f"{r['plan_ms']:8.1f}" if r["plan_ms"] is not None else f"{'':8}"
-        print(f"{r['distribution']:14} {r['ranks']:5d} {r['sequences']:7d} {r['method']:10} {r['max_over_mean']:9.4f} "
-              f"{r['padding']:8.1%} {r['microbatches_per_rank']:8d} {r['fillers']:7d} {plan}")  # fmt: skip
+        print(
+            f"{r['distribution']:14} {r['ranks']:5d} {r['sequences']:7d} {r['method']:10} {r['max_over_mean']:9.4f} "
+            f"{r['padding']:8.1%} {r['microbatches_per_rank']:8d} {r['fillers']:7d} {plan}"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(machine=machine(), budget=BUDGET, cost=dict(linear=cost.linear, quadratic=cost.quadratic),
-                model_shape=QWEN3_8B, command="python benchmarks/batching_balance.py")  # fmt: skip
+    meta = dict(
+        machine=machine(),
+        budget=BUDGET,
+        cost=dict(linear=cost.linear, quadratic=cost.quadratic),
+        model_shape=QWEN3_8B,
+        command="python benchmarks/batching_balance.py",
+    )
     OUT.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"wrote {OUT}")
 

@@ -28,8 +28,17 @@ from typing import Any
 
 import torch
 
-SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936)  # fmt: skip
+SHAPE = dict(
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    vocab_size=151936,
+)
 
 
 def _write_model(out: Path, layers: int) -> Path:
@@ -127,22 +136,38 @@ def main() -> None:
         streamed(stage(1), 5003)
         after_streamed = engine.score(prompt, response)
         exact = after_layerwise == after_planned == after_streamed
-        parity = max(abs(a - b) for a, b in zip(after_layerwise + after_layerwise, after_planned + after_streamed,
-                                                 strict=True))  # fmt: skip
+        parity = max(
+            abs(a - b) for a, b in zip(after_layerwise + after_layerwise, after_planned + after_streamed, strict=True)
+        )
 
     median = {path: statistics.median(values) for path, values in timings.items()}
-    print(f"\nengine load: qwen3-30b-a3b shape, {args.layers} layers, {len(versions[0])} tensors, "
-          f"{nbytes / 1e9:.2f} GB bf16, {torch.cuda.get_device_name(0)}")  # fmt: skip
+    print(
+        f"\nengine load: qwen3-30b-a3b shape, {args.layers} layers, {len(versions[0])} tensors, "
+        f"{nbytes / 1e9:.2f} GB bf16, {torch.cuda.get_device_name(0)}"
+    )
     print(f"{'path':<28}{'seconds':>10}{'GB/s':>9}{'vs layerwise':>14}")
     for path, seconds in median.items():
         print(f"{path:<28}{seconds:>10.4f}{nbytes / seconds / 1e9:>9.1f}{median['layerwise'] / seconds:>14.1f}")
-    print(f"log-probs after layerwise / planned / streamed loads of one version identical: {exact} "
-          f"(max diff between paths {parity:.2e})")  # fmt: skip
+    print(
+        f"log-probs after layerwise / planned / streamed loads of one version identical: {exact} "
+        f"(max diff between paths {parity:.2e})"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "layers": args.layers, "tensors": len(versions[0]), "bytes": nbytes, "gpu": torch.cuda.get_device_name(0),
-        "median_seconds": median, "all_seconds": timings, "identical_logprobs": exact, "max_logprob_diff": parity,
-    }, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "layers": args.layers,
+                "tensors": len(versions[0]),
+                "bytes": nbytes,
+                "gpu": torch.cuda.get_device_name(0),
+                "median_seconds": median,
+                "all_seconds": timings,
+                "identical_logprobs": exact,
+                "max_logprob_diff": parity,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

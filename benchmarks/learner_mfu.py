@@ -35,18 +35,43 @@ import numpy as np
 import torch
 
 SHAPES = {  # HF config fields of the released models, less the layer count
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
-}  # fmt: skip
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+}
 DATASHEET_BF16_TFLOPS = 989.0
 
 
 def hf_config(shape: str, layers: int) -> dict:
-    return {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-            "hidden_act": "silu", "vocab_size": 151936, "num_hidden_layers": layers, **SHAPES[shape]}  # fmt: skip
+    return {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "vocab_size": 151936,
+        "num_hidden_layers": layers,
+        **SHAPES[shape],
+    }
 
 
 def measured_matmul_tflops(device: torch.device) -> float:
@@ -114,8 +139,16 @@ def make_groups(args: argparse.Namespace, vocab: int) -> list:
     for g in range(args.groups):
         prompt = rng.integers(0, vocab, 256).astype(np.int32)
         lengths = np.clip(rng.lognormal(np.log(args.mean_len), 0.8, args.n), 16, args.max_len).astype(int)
-        trajs = tuple(Trajectory(rng.integers(0, vocab, L).astype(np.int32), -rng.random(L).astype(np.float32),
-                                 np.zeros(L, np.int32), float(rng.random()), "stop") for L in lengths)  # fmt: skip
+        trajs = tuple(
+            Trajectory(
+                rng.integers(0, vocab, L).astype(np.int32),
+                -rng.random(L).astype(np.float32),
+                np.zeros(L, np.int32),
+                float(rng.random()),
+                "stop",
+            )
+            for L in lengths
+        )
         groups.append(TrajectoryGroup.from_responses(f"g{g}", "bench", prompt, trajs))
     return groups
 
@@ -137,8 +170,9 @@ def main() -> None:
 
     from streamrl.batching.cost import flops_cost_model
     from streamrl.batching.microbatch import plan_step
-    from streamrl.learner.logprobs import microbatch_logprobs
-    from streamrl.learner.model import build_gpt_model
+    from streamrl.config import LearnerConfig
+    from streamrl.learner.model.gpt import build_gpt_model
+    from streamrl.learner.model.logprobs import microbatch_logprobs
     from streamrl.learner.parallel import init_parallel
     from streamrl.learner.perf import training_flops
     from streamrl.loss.grpo import policy_loss
@@ -146,7 +180,7 @@ def main() -> None:
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    init_parallel(0, 1, 1, "127.0.0.1", free_port(), 600.0, seed=0)
+    init_parallel(LearnerConfig(collective_timeout_s=600.0), 0, "127.0.0.1", free_port(), seed=0)
     cfg = hf_config(args.shape, args.layers)
     model = build_gpt_model(cfg, params_dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
@@ -161,8 +195,9 @@ def main() -> None:
         for mb in microbatches:
             logp = microbatch_logprobs(model, mb)
             as_t = lambda array: torch.from_numpy(array).to(device, non_blocking=True)  # noqa: E731
-            loss, _ = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages),
-                                  as_t(mb.loss_weight), 0.2, 2.0)  # fmt: skip
+            loss, _ = policy_loss(
+                logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), as_t(mb.loss_weight), 0.2, 2.0
+            )
             loss.backward()
         optimizer.step()
         return float(loss)
@@ -180,15 +215,25 @@ def main() -> None:
     matmul = measured_matmul_tflops(device)
     achieved = flops / seconds / 1e12
     result = {
-        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "shape": args.shape,
-        "layers": args.layers, "params": sum(p.numel() for p in model.parameters()),
-        "active_params": cost.linear / 2, "tokens": sum(seq_lens), "step_flops": flops,
-        "sequences": len(seq_lens), "tokens_per_microbatch": args.tokens_per_microbatch,
-        "microbatches": len(microbatches), "step_seconds": seconds,
-        "tokens_per_s": sum(seq_lens) / seconds, "model_tflops": achieved,
-        "mfu_datasheet": achieved / DATASHEET_BF16_TFLOPS, "matmul_tflops": matmul, "mfu_measured": achieved / matmul,
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "layers": args.layers,
+        "params": sum(p.numel() for p in model.parameters()),
+        "active_params": cost.linear / 2,
+        "tokens": sum(seq_lens),
+        "step_flops": flops,
+        "sequences": len(seq_lens),
+        "tokens_per_microbatch": args.tokens_per_microbatch,
+        "microbatches": len(microbatches),
+        "step_seconds": seconds,
+        "tokens_per_s": sum(seq_lens) / seconds,
+        "model_tflops": achieved,
+        "mfu_datasheet": achieved / DATASHEET_BF16_TFLOPS,
+        "matmul_tflops": matmul,
+        "mfu_measured": achieved / matmul,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-    }  # fmt: skip
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     report(result, args.shape)

@@ -68,10 +68,15 @@ def make_groups(tokens: int, count: int, tag: str) -> list[TrajectoryGroup]:
     """`count` realistic groups sharing one set of arrays (only the id differs: building arrays is not measured)."""
     rng = np.random.default_rng(tokens)
     trajs = tuple(
-        Trajectory(rng.integers(0, 150_000, tokens, dtype=np.int32), -rng.exponential(1.0, tokens).astype(np.float32),
-                   np.full(tokens, 3, np.int32), float(rng.random()), "length")
+        Trajectory(
+            rng.integers(0, 150_000, tokens, dtype=np.int32),
+            -rng.exponential(1.0, tokens).astype(np.float32),
+            np.full(tokens, 3, np.int32),
+            float(rng.random()),
+            "length",
+        )
         for _ in range(RESPONSES)
-    )  # fmt: skip
+    )
     prompt = rng.integers(0, 150_000, PROMPT_TOKENS, dtype=np.int32)
     group = TrajectoryGroup.from_responses("x", "engine-0", prompt, trajs)
     return [dataclasses.replace(group, group_id=f"{tag}-{i}") for i in range(count)]
@@ -164,12 +169,19 @@ def tiny_groups() -> list[TrajectoryGroup]:
     rng = np.random.default_rng(0)
 
     def response() -> Trajectory:
-        return Trajectory(rng.integers(0, 64, 12, dtype=np.int32), -rng.random(12, dtype=np.float32),
-                          np.zeros(12, np.int32), 1.0, "stop")  # fmt: skip
+        return Trajectory(
+            rng.integers(0, 64, 12, dtype=np.int32),
+            -rng.random(12, dtype=np.float32),
+            np.zeros(12, np.int32),
+            1.0,
+            "stop",
+        )
 
     prompt = rng.integers(0, 64, 20, dtype=np.int32)
-    return [TrajectoryGroup.from_responses("t", "engine-0", prompt, [response() for _ in range(RESPONSES)])
-            for _ in range(8)]  # fmt: skip
+    return [
+        TrajectoryGroup.from_responses("t", "engine-0", prompt, [response() for _ in range(RESPONSES)])
+        for _ in range(8)
+    ]
 
 
 def codec_mb_s(tokens: int) -> dict[str, float]:
@@ -200,8 +212,14 @@ def pin_server(server_pid: int, producer_pids: list[int]) -> bool:
 
 
 def machine() -> dict[str, str]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
     return {"nproc": nproc, "cpu": cpu, "python": platform.python_version(), "redis_py": redis.__version__}
 
@@ -213,20 +231,33 @@ def main() -> None:
     parser.add_argument("--producers", type=int, nargs="+", default=PRODUCERS, help="producer counts (default: all)")
     parser.add_argument("--repeats", type=int, help="runs per configuration and mode (default 11, --quick 1)")
     parser.add_argument("--out", type=Path, default=OUT, help="where to write the JSON")
-    parser.add_argument("--data-dir", type=Path, help="where the server keeps its AOF (default: a temporary directory "
-                        "in $TMPDIR; e.g. /dev/shm keeps the disk's writeback out of the measurement)")
-    parser.add_argument("--shared-cores", action="store_true",
-                        help="let the server share all CPUs with the producers and the reader (default: the server on "
-                             "CPU 0, the rest on the others)")
-    parser.add_argument("--max-backlog", type=int, default=MAX_BACKLOG,
-                        help=f"streamrl producers' backlog bound (default {MAX_BACKLOG}, the config's; the raw loop "
-                             "has none: a bound above a run's groups measures the queue without its flow control)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where the server keeps its AOF (default: a temporary directory "
+        "in $TMPDIR; e.g. /dev/shm keeps the disk's writeback out of the measurement)",
+    )
+    parser.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="let the server share all CPUs with the producers and the reader (default: the server on "
+        "CPU 0, the rest on the others)",
+    )
+    parser.add_argument(
+        "--max-backlog",
+        type=int,
+        default=MAX_BACKLOG,
+        help=f"streamrl producers' backlog bound (default {MAX_BACKLOG}, the config's; the raw loop "
+        "has none: a bound above a run's groups measures the queue without its flow control)",
+    )
     args = parser.parse_args()
     repeats, mb_per_run, tiny_steps = (1, 24, 50) if args.quick else (11, 512, 300)
     repeats = args.repeats or repeats
     mp = multiprocessing.get_context("spawn")
-    with (tempfile.TemporaryDirectory(prefix="queue-bench-", dir=args.data_dir) as data_dir,
-          EmbeddedRedis(Path(data_dir)) as server):
+    with (
+        tempfile.TemporaryDirectory(prefix="queue-bench-", dir=args.data_dir) as data_dir,
+        EmbeddedRedis(Path(data_dir)) as server,
+    ):
         client = connect(server.url, server.password)
         client.config_set("auto-aof-rewrite-percentage", 0)  # rewrites happen between runs, not inside one
         ready, go = mp.Queue(), mp.Event()
@@ -263,31 +294,48 @@ def main() -> None:
                 jobs.put(None)
             for _, process in workers:
                 process.join(timeout=30)
-    tiny = {"steps": tiny_steps, "median_ms": 1e3 * statistics.median(step_s),
-            "p99_ms": 1e3 * float(np.percentile(step_s, 99)), "learner_step_s": LEARNER_STEP_S}  # fmt: skip
+    tiny = {
+        "steps": tiny_steps,
+        "median_ms": 1e3 * statistics.median(step_s),
+        "p99_ms": 1e3 * float(np.percentile(step_s, 99)),
+        "learner_step_s": LEARNER_STEP_S,
+    }
     tiny["fraction_of_step"] = tiny["median_ms"] / 1e3 / LEARNER_STEP_S
     codec = {str(t): codec_mb_s(t) for t in args.tokens}
-    print(f"tiny config step: read+commit median {tiny['median_ms']:.2f} ms, p99 {tiny['p99_ms']:.2f} ms "
-          f"({100 * tiny['fraction_of_step']:.2f}% of a {LEARNER_STEP_S} s learner step)")  # fmt: skip
+    print(
+        f"tiny config step: read+commit median {tiny['median_ms']:.2f} ms, p99 {tiny['p99_ms']:.2f} ms "
+        f"({100 * tiny['fraction_of_step']:.2f}% of a {LEARNER_STEP_S} s learner step)"
+    )
     print("codec (one process):", json.dumps(codec))
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
-              "command": " ".join(["python", "benchmarks/queue_throughput.py", *sys.argv[1:]]),
-              "appendfsync": "everysec", "data_dir": str(args.data_dir or tempfile.gettempdir()),
-              "repeats": repeats, "max_backlog": args.max_backlog, "pin_server": pinned, "rows": rows,
-              "tiny_step": tiny, "codec": codec}  # fmt: skip
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": " ".join(["python", "benchmarks/queue_throughput.py", *sys.argv[1:]]),
+        "appendfsync": "everysec",
+        "data_dir": str(args.data_dir or tempfile.gettempdir()),
+        "repeats": repeats,
+        "max_backlog": args.max_backlog,
+        "pin_server": pinned,
+        "rows": rows,
+        "tiny_step": tiny,
+        "codec": codec,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
 
 def format_row(row: dict) -> str:
-    return (f"| {row['tokens'] // 1024}k | {row['producers']} | {row['group_mb']:.2f} | {row['groups']} | "
-            f"{row['streamrl_groups_s']:.0f} | {row['streamrl_mb_s']:.0f} | {row['raw_groups_s']:.0f} | "
-            f"{row['raw_mb_s']:.0f} | {row['ratio']:.2f} | {min(row['run_ratios']):.2f}-{max(row['run_ratios']):.2f} |"
-            )  # fmt: skip
+    return (
+        f"| {row['tokens'] // 1024}k | {row['producers']} | {row['group_mb']:.2f} | {row['groups']} | "
+        f"{row['streamrl_groups_s']:.0f} | {row['streamrl_mb_s']:.0f} | {row['raw_groups_s']:.0f} | "
+        f"{row['raw_mb_s']:.0f} | {row['ratio']:.2f} | {min(row['run_ratios']):.2f}-{max(row['run_ratios']):.2f} |"
+    )
 
 
 if __name__ == "__main__":
-    print("| tokens/response | producers | MB/group | groups | streamrl groups/s | streamrl MB/s | "
-          "raw groups/s | raw MB/s | ratio | run ratios |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "| tokens/response | producers | MB/group | groups | streamrl groups/s | streamrl MB/s | "
+        "raw groups/s | raw MB/s | ratio | run ratios |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     main()

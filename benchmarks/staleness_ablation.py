@@ -27,22 +27,33 @@ VARIANTS = ("ppo_behaviour", "tis", "decoupled")
 
 def run_one(lag: int, variant: str, steps: int, workdir: Path) -> dict[str, float]:
     from streamrl.config import load_config
-    from streamrl.orchestrate.train import train
+    from streamrl.orchestrate.driver import train
 
-    config = load_config(CONFIG, [
-        f"run.dir={workdir / f'lag{lag}-{variant}'}", f"model.path={workdir / 'model'}", f"train.steps={steps}",
-        f"train.publish_lag={lag}", f"queue.max_staleness={lag + 8}", f"loss.policy_loss={variant}",
-        "wandb.mode=disabled",
-    ])  # fmt: skip
+    config = load_config(
+        CONFIG,
+        [
+            f"run.dir={workdir / f'lag{lag}-{variant}'}",
+            f"model.path={workdir / 'model'}",
+            f"train.steps={steps}",
+            f"train.publish_lag={lag}",
+            f"queue.max_staleness={lag + 8}",
+            f"loss.policy_loss={variant}",
+            "wandb.mode=disabled",
+        ],
+    )
     start = time.perf_counter()
     history = train(config, show_progress=False).history
     rewards = np.array([row["rollout/reward_mean"] for row in history])
     tail = max(1, len(rewards) // 5)
-    return {"lag": lag, "variant": variant, "final_reward": float(rewards[-tail:].mean()),
-            "mean_reward": float(rewards.mean()),
-            "measured_lag": float(np.mean([row["queue/policy_lag_mean"] for row in history])),
-            "dropped_stale": float(history[-1]["queue/dropped_stale"]),
-            "seconds": time.perf_counter() - start}  # fmt: skip
+    return {
+        "lag": lag,
+        "variant": variant,
+        "final_reward": float(rewards[-tail:].mean()),
+        "mean_reward": float(rewards.mean()),
+        "measured_lag": float(np.mean([row["queue/policy_lag_mean"] for row in history])),
+        "dropped_stale": float(history[-1]["queue/dropped_stale"]),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main() -> None:

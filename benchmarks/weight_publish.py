@@ -41,19 +41,46 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                 vocab_size=151936, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, attention_bias=False)  # fmt: skip
+QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=151936,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    attention_bias=False,
+)
 MODELS = {
     # Qwen3-8B: 36 layers, hidden 4096, 32 heads / 8 KV heads of 128, FFN 12288, vocab 151936.
-    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, intermediate_size=12288, vocab_size=151936),
-    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=6144, vocab_size=151936),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+    ),
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+    ),
     # Qwen3-30B-A3B cut to 12 of its 48 layers (128 experts of FFN 768 each): 4,608 expert tensors of 3 MB.
     "qwen3-30b-a3b-12layers": dict(QWEN3_MOE, num_hidden_layers=12),
-}  # fmt: skip
+}
 # The same expert-heavy layers as HF tensors made on the GPU: bucketing + transfer + load without gather/convert.
 MOE_LAYERS = {"qwen3-30b-a3b-12layers-hf": 12}
 GiB = 1 << 30
@@ -62,9 +89,16 @@ EXTRAPOLATE = {"Qwen3-30B-A3B": 30.5e9 * 2, "Qwen3-235B-A22B": 235e9 * 2, "DeepS
 
 
 def hf_config(name: str) -> dict:
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-            "hidden_act": "silu", **MODELS[name]}  # fmt: skip
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        **MODELS[name],
+    }
 
 
 def plan(args: argparse.Namespace, trial: int) -> list[tuple[str, int]]:
@@ -88,13 +122,20 @@ def moe_tensors(layers: int, device: torch.device) -> list[tuple[str, torch.Tens
     shapes: list[tuple[str, tuple[int, ...]]] = []
     for i in range(layers):
         p = f"model.layers.{i}"
-        shapes += [(f"{p}.self_attn.q_proj.weight", (heads * hd, h)), (f"{p}.self_attn.k_proj.weight", (kv * hd, h)),
-                   (f"{p}.self_attn.v_proj.weight", (kv * hd, h)), (f"{p}.self_attn.o_proj.weight", (h, heads * hd)),
-                   (f"{p}.mlp.gate.weight", (experts, h))]  # fmt: skip
+        shapes += [
+            (f"{p}.self_attn.q_proj.weight", (heads * hd, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv * hd, h)),
+            (f"{p}.self_attn.v_proj.weight", (kv * hd, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, heads * hd)),
+            (f"{p}.mlp.gate.weight", (experts, h)),
+        ]
         for e in range(experts):
             q = f"{p}.mlp.experts.{e}"
-            shapes += [(f"{q}.gate_proj.weight", (ffn, h)), (f"{q}.up_proj.weight", (ffn, h)),
-                       (f"{q}.down_proj.weight", (h, ffn))]  # fmt: skip
+            shapes += [
+                (f"{q}.gate_proj.weight", (ffn, h)),
+                (f"{q}.up_proj.weight", (ffn, h)),
+                (f"{q}.down_proj.weight", (h, ffn)),
+            ]
     return [(n, torch.randn(s, device=device, dtype=torch.bfloat16)) for n, s in shapes]
 
 
@@ -107,8 +148,9 @@ def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
 
 
 def _learner(args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -> None:
-    from streamrl.learner.convert import stream_hf_weights
-    from streamrl.learner.model import build_gpt_model
+    from streamrl.config import LearnerConfig
+    from streamrl.learner.hf.convert import stream_hf_weights
+    from streamrl.learner.model.gpt import build_gpt_model
     from streamrl.learner.parallel import init_parallel
     from streamrl.weights.transport import WeightGroup
 
@@ -118,7 +160,7 @@ def _learner(args: argparse.Namespace, world: int, port: int, queue: mp.Queue) -
         tensors = moe_tensors(MOE_LAYERS[args.model], device)
         hf_stream = lambda: iter(tensors)  # noqa: E731
     else:
-        init_parallel(0, 1, 1, "127.0.0.1", port + 1, 600.0, seed=0)
+        init_parallel(LearnerConfig(collective_timeout_s=600.0), 0, "127.0.0.1", port + 1, seed=0)
         config = hf_config(args.model)
         model = build_gpt_model(config)
         hf_stream = lambda: stream_hf_weights(model, config, dtype=torch.bfloat16)  # noqa: E731
@@ -208,8 +250,9 @@ def _receiver(rank: int, args: argparse.Namespace, world: int, port: int, queue:
             if not destination:  # the engine's parameters, allocated once (not inside any timed span after trial 0)
                 destination.update((name, torch.empty_like(tensor)) for name, tensor in tensors)
             if label == _PRIME:  # the staging this plan's next publishes reuse: record the load from it, as an engine
-                copy_plan, problem = CopyPlan.record(functools.partial(_load_each, destination, tensors), tensors,
-                                                     destination.values())  # fmt: skip
+                copy_plan, problem = CopyPlan.record(
+                    functools.partial(_load_each, destination, tensors), tensors, destination.values()
+                )
                 assert copy_plan is not None and copy_plan.swap_problem() is None, problem
                 copy_plan.replay(tensors)  # builds the replay's tables once
             elif label.startswith("bucketed"):
@@ -273,8 +316,7 @@ def report(args: argparse.Namespace, per_receiver: list, learner: dict[str, list
     gb = total_bytes / 1e9
     # The publish is done when the slowest receiver has loaded: take the max over receivers per trial.
     methods = per_receiver[0][1].keys()
-    median = {m: statistics.median(max(t[m][i] for _, t in per_receiver) for i in range(args.repeats))
-              for m in methods}  # fmt: skip
+    median = {m: statistics.median(max(t[m][i] for _, t in per_receiver) for i in range(args.repeats)) for m in methods}
     median.update({m: statistics.median(t) for m, t in learner.items()})
     ceiling, naive = median["ceiling"], median["naive per-tensor"]
     print(f"\nweight publish: {args.model}, {gb:.2f} GB bf16, {world - 1} receiver(s), {torch.cuda.get_device_name(0)}")
@@ -286,19 +328,32 @@ def report(args: argparse.Namespace, per_receiver: list, learner: dict[str, list
     planned = [m for m in median if m.startswith("bucketed") and not m.endswith(("transfer", "load"))]
     best = min(planned, key=median.__getitem__)
     streamed = next(m for m in median if m.startswith("streamed"))
-    rates = {"with load": total_bytes / median[best], "transfer": total_bytes / median[f"{best} transfer"],
-             "streamed": total_bytes / median[streamed]}  # fmt: skip
+    rates = {
+        "with load": total_bytes / median[best],
+        "transfer": total_bytes / median[f"{best} transfer"],
+        "streamed": total_bytes / median[streamed],
+    }
     extrapolated = {kind: {n: b / rate for n, b in EXTRAPOLATE.items()} for kind, rate in rates.items()}
     print(f"\nextrapolated full publish at the rates of {best} (with load / transfer only) and {streamed}:")
     for name, nbytes in EXTRAPOLATE.items():
         seconds = " / ".join(f"{extrapolated[kind][name]:.2f}" for kind in rates)
         print(f"  {name:<20} {nbytes / 1e9:>7.0f} GB  {seconds} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "model": args.model, "bytes": total_bytes, "receivers": world - 1, "gpu": torch.cuda.get_device_name(0),
-        "median_seconds": median, "gbps": {m: gb / s for m, s in median.items()},
-        "extrapolated_seconds": extrapolated, "extrapolated_from": best,
-    }, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "bytes": total_bytes,
+                "receivers": world - 1,
+                "gpu": torch.cuda.get_device_name(0),
+                "median_seconds": median,
+                "gbps": {m: gb / s for m, s in median.items()},
+                "extrapolated_seconds": extrapolated,
+                "extrapolated_from": best,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

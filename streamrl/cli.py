@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from streamrl.config import Config, ConfigError, load_config
-from streamrl.models.tiny import ARCHS
+from streamrl.models import ARCHS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and (args.command == "init-model" or any("=" not in e for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "init-model":
-        from streamrl.models.tiny import write_tiny_model
+        from streamrl.models import write_tiny_model
 
         print(write_tiny_model(args.out, args.arch, args.preset, args.seed))
         return 0
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         import yaml
 
-        from streamrl.orchestrate.train import check_model_layout
+        from streamrl.orchestrate import check_model_layout
 
         # The layout against the model too, when the model exists already (check-config writes nothing).
         if (config.model.path / "config.json").exists() and not _layout_fits(check_model_layout, config):
@@ -66,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     if args.command == "export-hf":
-        from streamrl.learner.export import export_checkpoint
+        from streamrl.learner import export_checkpoint
 
         print(export_checkpoint(config, args.checkpoint, args.out))
         return 0
-    from streamrl.orchestrate.train import prepare_run, train
+    from streamrl.orchestrate import prepare_run, train
 
     if not _layout_fits(prepare_run, config):  # fails before any process starts
         return 2

@@ -77,8 +77,10 @@ class RolloutConfig(_Section):
     @model_validator(mode="after")
     def _streamed_needs_inflight(self) -> RolloutConfig:
         if self.weight_apply == "streamed" and self.weight_update == "drain":
-            raise ValueError("rollout.weight_apply: 'streamed' pauses running requests, so it needs "
-                             "rollout.weight_update 'inflight', not 'drain'")  # fmt: skip
+            raise ValueError(
+                "rollout.weight_apply: 'streamed' pauses running requests, so it needs "
+                "rollout.weight_update 'inflight', not 'drain'"
+            )
         return self
 
 
@@ -87,30 +89,40 @@ class LearnerConfig(_Section):
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x CP x PP x DP.")
     pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline stages (1F1B schedule).")
     context_parallel: int = Field(
-        1, ge=1, description="Ranks that split every sequence (zigzag shards; keys/values all-gathered in our "
-        "attention); world size = TP x CP x PP x DP."
-    )  # fmt: skip
+        1,
+        ge=1,
+        description="Ranks that split every sequence (zigzag shards; keys/values all-gathered in our "
+        "attention); world size = TP x CP x PP x DP.",
+    )
     virtual_stages: int = Field(
-        1, ge=1, description="Model chunks per pipeline stage (Megatron's interleaved schedule); needs "
-        "pipeline_parallel > 1, and the layers must split evenly over stages x chunks."
-    )  # fmt: skip
+        1,
+        ge=1,
+        description="Model chunks per pipeline stage (Megatron's interleaved schedule); needs "
+        "pipeline_parallel > 1, and the layers must split evenly over stages x chunks.",
+    )
     last_stage_layers: int | None = Field(
-        None, ge=1, description="Layers of the last pipeline stage (the rest split evenly over the others), e.g. "
-        "fewer to leave room for the output layer and loss; unset: an even split."
-    )  # fmt: skip
+        None,
+        ge=1,
+        description="Layers of the last pipeline stage (the rest split evenly over the others), e.g. "
+        "fewer to leave room for the output layer and loss; unset: an even split.",
+    )
     expert_parallel: int = Field(
-        1, ge=1, description="Megatron expert-parallel size for MoE models: the experts are split over this many "
+        1,
+        ge=1,
+        description="Megatron expert-parallel size for MoE models: the experts are split over this many "
         "ranks (an expert is never split by TP); they come out of a pipeline stage's TP x CP x DP ranks, so it "
-        "must divide TP x CP x DP."
-    )  # fmt: skip
+        "must divide TP x CP x DP.",
+    )
     params_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Dtype of the model's weights, activations and gradients; bfloat16 keeps float32 "
-        "master weights and Adam state in the optimizer (Megatron's mixed-precision optimizer)."
-    )  # fmt: skip
+        "float32",
+        description="Dtype of the model's weights, activations and gradients; bfloat16 keeps float32 "
+        "master weights and Adam state in the optimizer (Megatron's mixed-precision optimizer).",
+    )
     recompute: Literal["none", "selective", "full"] = Field(
-        "none", description="Activation recomputation: selective recomputes each layer's core attention in "
-        "backward; full recomputes whole blocks of recompute_num_layers layers (Megatron's uniform method)."
-    )  # fmt: skip
+        "none",
+        description="Activation recomputation: selective recomputes each layer's core attention in "
+        "backward; full recomputes whole blocks of recompute_num_layers layers (Megatron's uniform method).",
+    )
     recompute_num_layers: int = Field(
         1, ge=1, description="recompute=full: layers per recomputed block (only its input is kept)."
     )
@@ -125,12 +137,28 @@ class LearnerConfig(_Section):
     def world_size(self) -> int:
         return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
 
+    @classmethod
+    def for_world(cls, world_size: int, **fields: Any) -> LearnerConfig:
+        """The layout of `fields` on `world_size` ranks: data_parallel is what TP x PP x CP leave; a size that does not
+        divide the world is refused, naming its key."""
+        model_parallel = 1
+        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+            model_parallel *= fields.get(key, 1)
+            if world_size % model_parallel:
+                raise ValueError(
+                    f"learner.{key}: {fields[key]} does not divide the world of {world_size} ranks "
+                    f"(with the sizes before it: {model_parallel})"
+                )
+        return cls(data_parallel=world_size // model_parallel, **fields)
+
     @model_validator(mode="after")
     def _layout_is_consistent(self) -> LearnerConfig:
         stage = self.tensor_parallel * self.context_parallel * self.data_parallel
         if stage % self.expert_parallel:
-            raise ValueError(f"learner.expert_parallel: {self.expert_parallel} does not divide the {stage} ranks of a "
-                             "pipeline stage (tensor_parallel x context_parallel x data_parallel)")  # fmt: skip
+            raise ValueError(
+                f"learner.expert_parallel: {self.expert_parallel} does not divide the {stage} ranks of a "
+                "pipeline stage (tensor_parallel x context_parallel x data_parallel)"
+            )
         if self.pipeline_parallel == 1 and (self.virtual_stages > 1 or self.last_stage_layers is not None):
             field = "virtual_stages" if self.virtual_stages > 1 else "last_stage_layers"
             raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
@@ -143,8 +171,9 @@ class LossConfig(_Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range around the proximal policy ratio.")
     importance_cap: float = Field(2.0, ge=1.0, description="C in the truncated IS weight min(pi_old/pi_behav, C).")
     policy_loss: Literal["tis", "mis", "decoupled", "ppo_behaviour"] = Field(
-        "tis", description="Off-policy correction: truncated IS, masked IS, AReaL decoupled PPO, or plain PPO on "
-        "the behaviour log-probs (see streamrl/loss/importance.py)."
+        "tis",
+        description="Off-policy correction: truncated IS, masked IS, AReaL decoupled PPO, or plain PPO on "
+        "the behaviour log-probs (see streamrl/loss/importance.py).",
     )
     importance_level: Literal["token", "sequence"] = Field(
         "token", description="Importance ratio per token, or per sequence (product over its tokens)."
@@ -153,20 +182,25 @@ class LossConfig(_Section):
         "token_mean", description="Loss average over all response tokens or all sequences of the global step."
     )
     entropy_coef: float = Field(
-        0.0, ge=0, description="Entropy bonus: the loss subtracts this times the entropy of the next-token "
+        0.0,
+        ge=0,
+        description="Entropy bonus: the loss subtracts this times the entropy of the next-token "
         "distribution, averaged like the policy loss. > 0 runs the model without labels and computes log-probs and "
-        "entropy from the vocabulary-parallel logits (streamrl/learner/vocab_parallel.py); 0 keeps the faster "
-        "cross-entropy path and reports no train/entropy."
-    )  # fmt: skip
+        "entropy from the vocabulary-parallel logits (streamrl/learner/model/vocab_parallel.py); 0 keeps the faster "
+        "cross-entropy path and reports no train/entropy.",
+    )
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the KL penalty towards the reference policy (the initial weights of "
+        0.0,
+        ge=0,
+        description="Weight of the KL penalty towards the reference policy (the initial weights of "
         "model.path), averaged like the policy loss. > 0 keeps a frozen copy of the model on every learner rank "
-        "and runs it forward once per step (streamrl/loss/regularizers.py)."
-    )  # fmt: skip
+        "and runs it forward once per step (streamrl/loss/regularizers.py).",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="Per-token KL estimator with r = log pi_ref - log pi: k1 = -r, k2 = r^2/2, "
-        "k3 = exp(r) - r - 1 (GRPO's low-variance one)."
-    )  # fmt: skip
+        "k3",
+        description="Per-token KL estimator with r = log pi_ref - log pi: k1 = -r, k2 = r^2/2, "
+        "k3 = exp(r) - r - 1 (GRPO's low-variance one).",
+    )
 
 
 class OptimizerConfig(_Section):
@@ -178,17 +212,19 @@ class OptimizerConfig(_Section):
     )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     distributed: bool = Field(
-        True, description="Megatron's distributed optimizer: master weights and Adam state sharded over the "
+        True,
+        description="Megatron's distributed optimizer: master weights and Adam state sharded over the "
         "data-parallel (x context-parallel) ranks, gradients reduce-scattered (ZeRO-1); off: all-reduced, "
-        "every rank keeps the whole state."
-    )  # fmt: skip
+        "every rank keeps the whole state.",
+    )
     grad_reduce_in_fp32: bool = Field(
         True, description="Accumulate and reduce gradients in float32 even when learner.params_dtype is bfloat16."
     )
     cpu_offload: bool = Field(
-        False, description="Keep offload_fraction of the optimizer state and its update on the host (Megatron's "
-        "HybridDeviceOptimizer); needs distributed. A no-op without a GPU, where everything already lives on the host."
-    )  # fmt: skip
+        False,
+        description="Keep offload_fraction of the optimizer state and its update on the host (Megatron's "
+        "HybridDeviceOptimizer); needs distributed. A no-op without a GPU, where everything already lives on the host.",
+    )
     offload_fraction: float = Field(
         1.0, ge=0.0, le=1.0, description="cpu_offload: the fraction of the optimizer state kept on the host."
     )
@@ -225,16 +261,20 @@ class BatchingConfig(_Section):
         8, ge=1, description="GRPO groups consumed by one optimizer step (the minimum when tokens_per_step is set)."
     )
     tokens_per_step: int | None = Field(
-        None, gt=0, description="If set, a step takes whole groups in arrival order until their prompt + response "
-        "tokens reach this budget (streamrl.batching.compose); groups are never split across steps."
-    )  # fmt: skip
+        None,
+        gt=0,
+        description="If set, a step takes whole groups in arrival order until their prompt + response "
+        "tokens reach this budget (streamrl.batching.compose); groups are never split across steps.",
+    )
     max_tokens_per_microbatch: int = Field(
         4096, gt=0, description="Token budget of one packed forward/backward (a longer sequence runs alone)."
     )
     cost_linear: float | None = Field(
-        None, gt=0, description="Per-token cost a in a*L + b*L^2 used to balance data-parallel ranks "
-        "(unset: derived from the model shape, streamrl.batching.cost)."
-    )  # fmt: skip
+        None,
+        gt=0,
+        description="Per-token cost a in a*L + b*L^2 used to balance data-parallel ranks "
+        "(unset: derived from the model shape, streamrl.batching.cost).",
+    )
     cost_quadratic: float | None = Field(
         None, ge=0, description="Attention cost b in a*L + b*L^2 (unset: derived from the model shape)."
     )
@@ -255,9 +295,11 @@ class TrainConfig(_Section):
         0, ge=0, description="Ablation only: publish the weights of this many steps ago (keeps as many copies)."
     )
     checkpoint_every: int = Field(
-        50, ge=0, description="Save a learner checkpoint (run.dir/checkpoints) every this many steps and at the "
-        "end; 0 saves none."
-    )  # fmt: skip
+        50,
+        ge=0,
+        description="Save a learner checkpoint (run.dir/checkpoints) every this many steps and at the "
+        "end; 0 saves none.",
+    )
     resume: bool = Field(
         True, description="Start from run.dir/checkpoints/latest when it exists (model, optimizer, step, version)."
     )

@@ -61,34 +61,48 @@ class TrajectoryGroup:
                 f"and versions ({len(self.versions)}) must hold sum(lengths) = {total} tokens"
             )
         if len(self.rewards) != n or len(self.finish_reasons) != n:
-            raise ValueError(f"group {self.group_id}: rewards ({len(self.rewards)}) and finish_reasons "
-                             f"({len(self.finish_reasons)}) must have one value per response ({n})")  # fmt: skip
+            raise ValueError(
+                f"group {self.group_id}: rewards ({len(self.rewards)}) and finish_reasons "
+                f"({len(self.finish_reasons)}) must have one value per response ({n})"
+            )
 
     @classmethod
-    def from_responses(cls, group_id: str, engine_id: str, prompt_ids: np.ndarray,
-                       responses: Sequence[Trajectory]) -> TrajectoryGroup:  # fmt: skip
+    def from_responses(
+        cls, group_id: str, engine_id: str, prompt_ids: np.ndarray, responses: Sequence[Trajectory]
+    ) -> TrajectoryGroup:
         """The group of `responses`, their fields concatenated (one copy of each array)."""
 
         def joined(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
             return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
         return cls(
-            group_id, engine_id, np.asarray(prompt_ids, np.int32),
-            joined([r.response_ids for r in responses], np.int32), joined([r.logprobs for r in responses], np.float32),
-            joined([r.versions for r in responses], np.int32), tuple(len(r.response_ids) for r in responses),
-            np.array([r.reward for r in responses], np.float32), tuple(r.finish_reason for r in responses),
-        )  # fmt: skip
+            group_id,
+            engine_id,
+            np.asarray(prompt_ids, np.int32),
+            joined([r.response_ids for r in responses], np.int32),
+            joined([r.logprobs for r in responses], np.float32),
+            joined([r.versions for r in responses], np.int32),
+            tuple(len(r.response_ids) for r in responses),
+            np.array([r.reward for r in responses], np.float32),
+            tuple(r.finish_reason for r in responses),
+        )
 
     @property
     def trajectories(self) -> tuple[Trajectory, ...]:
         """Each response as a `Trajectory` of views into the group's arrays."""
         ends = list(accumulate(self.lengths))
         return tuple(
-            Trajectory(self.response_ids[end - n : end], self.logprobs[end - n : end], self.versions[end - n : end],
-                       float(reward), reason)
-            for n, end, reward, reason in zip(self.lengths, ends, self.rewards.tolist(), self.finish_reasons,
-                                              strict=True)
-        )  # fmt: skip
+            Trajectory(
+                self.response_ids[end - n : end],
+                self.logprobs[end - n : end],
+                self.versions[end - n : end],
+                float(reward),
+                reason,
+            )
+            for n, end, reward, reason in zip(
+                self.lengths, ends, self.rewards.tolist(), self.finish_reasons, strict=True
+            )
+        )
 
     @property
     def min_version(self) -> int:

@@ -9,8 +9,13 @@ from streamrl.types import Trajectory, TrajectoryGroup
 
 
 def _response(n: int, first_version: int = 0) -> Trajectory:
-    return Trajectory(np.arange(n, dtype=np.int32), np.full(n, -0.5, np.float32),
-                      np.arange(first_version, first_version + n, dtype=np.int32), float(n), "stop")  # fmt: skip
+    return Trajectory(
+        np.arange(n, dtype=np.int32),
+        np.full(n, -0.5, np.float32),
+        np.arange(first_version, first_version + n, dtype=np.int32),
+        float(n),
+        "stop",
+    )
 
 
 def test_a_group_of_responses_stores_them_per_field_and_gives_them_back() -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from streamrl.batching.cost import TOKEN_COUNT, CostModel
 from streamrl.batching.pack import Packing, pack_microbatches
 from streamrl.batching.partition import balanced_partition
-from streamrl.loss.grpo import grpo_advantages
+from streamrl.loss import grpo_advantages
 from streamrl.types import MicroBatch, TrajectoryGroup
 
 
@@ -78,8 +78,9 @@ def _collate(seqs: list[_Sequence]) -> MicroBatch:
     )
 
 
-def _plan(groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch: int, normalization: str,
-          cost: CostModel) -> tuple[list[_Sequence], Packing]:  # fmt: skip
+def _plan(
+    groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch: int, normalization: str, cost: CostModel
+) -> tuple[list[_Sequence], Packing]:
     seqs = _sequences(groups, normalization)
     if len(seqs) < dp_size:
         raise ValueError(f"batching: {len(seqs)} sequences cannot feed {dp_size} data-parallel ranks")
@@ -88,15 +89,26 @@ def _plan(groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch
     return seqs, pack_microbatches(lengths, rank_of, dp_size, max_tokens_per_microbatch)
 
 
-def plan_rank(groups: list[TrajectoryGroup], dp_size: int, dp_rank: int, max_tokens_per_microbatch: int,
-              normalization: str, cost: CostModel = TOKEN_COUNT) -> list[MicroBatch]:  # fmt: skip
+def plan_rank(
+    groups: list[TrajectoryGroup],
+    dp_size: int,
+    dp_rank: int,
+    max_tokens_per_microbatch: int,
+    normalization: str,
+    cost: CostModel = TOKEN_COUNT,
+) -> list[MicroBatch]:
     """The micro-batches of data-parallel rank `dp_rank` (what a learner rank runs)."""
     seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost)
     return [_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(dp_rank)]
 
 
-def plan_step(groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch: int, normalization: str,
-              cost: CostModel = TOKEN_COUNT) -> list[list[MicroBatch]]:  # fmt: skip
+def plan_step(
+    groups: list[TrajectoryGroup],
+    dp_size: int,
+    max_tokens_per_microbatch: int,
+    normalization: str,
+    cost: CostModel = TOKEN_COUNT,
+) -> list[list[MicroBatch]]:
     """Micro-batches for each data-parallel rank (index = DP rank)."""
     seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost)
     return [[_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(r)] for r in range(dp_size)]

@@ -32,8 +32,9 @@ class Packing:
         return [self.order[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
-def _next_fit(tokens_before: np.ndarray, rank_bounds: np.ndarray, rank_of_position: np.ndarray,
-              max_tokens: int) -> np.ndarray:  # fmt: skip
+def _next_fit(
+    tokens_before: np.ndarray, rank_bounds: np.ndarray, rank_of_position: np.ndarray, max_tokens: int
+) -> np.ndarray:
     """Sorted positions where a micro-batch starts, packing each rank's positions greedily in order."""
     # From a start i, a micro-batch takes positions i..j-1 for the largest j whose tokens still fit (j > i always).
     reach = np.searchsorted(tokens_before, tokens_before[:-1] + max_tokens, side="right") - 1
@@ -47,8 +48,9 @@ def _next_fit(tokens_before: np.ndarray, rank_bounds: np.ndarray, rank_of_positi
     return np.asarray(starts, dtype=np.int64)
 
 
-def _split_to(starts: np.ndarray, rank_of_position: np.ndarray, tokens_before: np.ndarray, ranks: int,
-              total: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def _split_to(
+    starts: np.ndarray, rank_of_position: np.ndarray, tokens_before: np.ndarray, ranks: int, total: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Split micro-batches until every rank has as many as the largest; returns (starts, fillers per rank)."""
     target = np.bincount(rank_of_position[starts], minlength=ranks).max()
     while True:

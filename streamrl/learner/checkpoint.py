@@ -102,8 +102,14 @@ def read_meta(path: Path) -> CheckpointMeta:
         raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-    fields = {"format": int, "step": int, "version": int, "tensor_parallel": int, "data_parallel": int,
-              "config_hash": str}  # fmt: skip
+    fields = {
+        "format": int,
+        "step": int,
+        "version": int,
+        "tensor_parallel": int,
+        "data_parallel": int,
+        "config_hash": str,
+    }
     for name, kind in fields.items():
         value = raw.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
@@ -181,8 +187,9 @@ def _chunk_list(chunks: Chunks) -> list[torch.nn.Module]:
     return [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
 
 
-def _sharded_state(chunks: Chunks, optimizer: MegatronOptimizer | None, rng_world: int | None,
-                   is_loading: bool) -> dict:  # fmt: skip
+def _sharded_state(
+    chunks: Chunks, optimizer: MegatronOptimizer | None, rng_world: int | None, is_loading: bool
+) -> dict:
     """What a checkpoint holds, as a dist_checkpointing sharded state dict; `optimizer` None leaves the optimizer's
     state out, `rng_world` None the RNG states (else: the world size whose per-rank states to include)."""
     models = _chunk_list(chunks)
@@ -200,12 +207,16 @@ def _sharded_state(chunks: Chunks, optimizer: MegatronOptimizer | None, rng_worl
 
 def _layout() -> tuple[int, int, int]:
     ps = parallel_state
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_data_parallel_world_size())  # fmt: skip
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+    )
 
 
-def save_checkpoint(root: Path, step: int, version: int, chunks: Chunks, optimizer: MegatronOptimizer,
-                    config_hash: str) -> Path:  # fmt: skip
+def save_checkpoint(
+    root: Path, step: int, version: int, chunks: Chunks, optimizer: MegatronOptimizer, config_hash: str
+) -> Path:
     """Collective: write `root/step_{step:08d}` and point `root/latest` at it; returns the step directory."""
     path = step_dir(root, step)
     rank = dist.get_rank()
@@ -235,8 +246,10 @@ def load_checkpoint(path: Path, chunks: Chunks, optimizer: MegatronOptimizer | N
     state = _sharded_state(chunks, optimizer, dist.get_world_size() if restore_rng else None, is_loading=True)
     loaded = dist_checkpointing.load(state, str(path / _DIST))
     if (loaded["step"], loaded["version"]) != (meta.step, meta.version):
-        raise CheckpointError(f"{path / META}: fields 'step'/'version' are {meta.step}/{meta.version} but the saved "
-                              f"state has {loaded['step']}/{loaded['version']}")  # fmt: skip
+        raise CheckpointError(
+            f"{path / META}: fields 'step'/'version' are {meta.step}/{meta.version} but the saved "
+            f"state has {loaded['step']}/{loaded['version']}"
+        )
     models = _chunk_list(chunks)
     for model, model_state in zip(models, [loaded["model"]] if len(models) == 1 else loaded["model"], strict=True):
         model.load_state_dict(model_state)

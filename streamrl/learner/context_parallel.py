@@ -15,8 +15,8 @@ Contract:
   see it. `cp_size == 1` returns `mb` itself.
 - `padded_cu_seqlens(cu_seqlens, cp_size)` and `zigzag_columns(cu_padded, cp_size, cp_rank)` state the layout:
   the padded boundaries, and for each local column of rank `cp_rank` its column in the padded global row;
-  `streamrl.learner.logprobs` checks with them that a shard's positions are the ones Megatron's RoPE will apply.
-  `gathered_rows(cu_padded, cp_size)` inverts the layout for `streamrl.learner.attention`, which reassembles
+  `streamrl.learner.model.logprobs` checks with them that a shard's positions are the ones Megatron's RoPE will apply.
+  `gathered_rows(cu_padded, cp_size)` inverts the layout for `streamrl.learner.model.attention`, which reassembles
   each sequence's keys/values from the all-gather of every rank's shard.
 """
 
@@ -44,8 +44,10 @@ def zigzag_columns(cu_padded: np.ndarray, cp_size: int, cp_rank: int) -> np.ndar
         return np.arange(cu_padded[-1])
     lengths = np.diff(cu_padded)
     if (lengths % (2 * cp_size)).any():
-        raise ValueError(f"cu_seqlens: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size} "
-                         f"under context parallelism, got {lengths.tolist()}")  # fmt: skip
+        raise ValueError(
+            f"cu_seqlens: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size} "
+            f"under context parallelism, got {lengths.tolist()}"
+        )
     chunk = lengths // (2 * cp_size)
     sequence = np.repeat(np.arange(len(lengths)), 2 * chunk)  # the sequence of each local column
     offset = np.arange(len(sequence)) - np.repeat(np.cumsum(2 * chunk) - 2 * chunk, 2 * chunk)

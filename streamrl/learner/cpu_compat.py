@@ -59,7 +59,7 @@ Megatron's DDP and optimizer (`streamrl.learner.optimizer`; DDP itself allocates
   with float32 parameters (our norms' weights stay float32 under bf16). The shards are replaced by detached views
   of the same storage (same attributes), before the optimizer's groups are built from them.
 
-Mixture-of-experts (`streamrl.learner.moe`: local spec, "alltoall" token dispatcher):
+Mixture-of-experts (`streamrl.learner.model.moe`: local spec, "alltoall" token dispatcher):
 - Everywhere: without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the
   failed TE `try`), yet the router's `RouterGatingLinearFunction` tests it against None on every forward: a
   NameError. It is bound to None, which selects the plain torch matmul, only while the name is unbound.
@@ -204,28 +204,40 @@ def _with_host_cuda(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _communicate_shapes_by_direction(self: Any, tensor_send_next: torch.Tensor | None,
-                                     tensor_send_prev: torch.Tensor | None, recv_prev: bool,
-                                     recv_next: bool) -> tuple[list[int], list[int]]:  # fmt: skip
+def _communicate_shapes_by_direction(
+    self: Any,
+    tensor_send_next: torch.Tensor | None,
+    tensor_send_prev: torch.Tensor | None,
+    recv_prev: bool,
+    recv_next: bool,
+) -> tuple[list[int], list[int]]:
     """`P2PCommunicator._communicate_shapes` over `_p2p_ops`: one group per direction when there are two stages."""
     from megatron.core.pipeline_parallel.p2p_communication import _p2p_ops
 
     device = torch.cuda.current_device()
     shape_of = lambda t: None if t is None else torch.tensor(t.size(), device=device, dtype=torch.int64)  # noqa: E731
-    received = {d: torch.empty(3, device=device, dtype=torch.int64) if wanted else None
-                for d, wanted in (("prev", recv_prev), ("next", recv_next))}  # fmt: skip
-    requests = _p2p_ops(tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=received["prev"],
-                        tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=received["next"],
-                        group=self.pp_group, prev_pipeline_rank=self.prev_rank,
-                        next_pipeline_rank=self.next_rank)  # fmt: skip
+    received = {
+        d: torch.empty(3, device=device, dtype=torch.int64) if wanted else None
+        for d, wanted in (("prev", recv_prev), ("next", recv_next))
+    }
+    requests = _p2p_ops(
+        tensor_send_prev=shape_of(tensor_send_prev),
+        tensor_recv_prev=received["prev"],
+        tensor_send_next=shape_of(tensor_send_next),
+        tensor_recv_next=received["next"],
+        group=self.pp_group,
+        prev_pipeline_rank=self.prev_rank,
+        next_pipeline_rank=self.next_rank,
+    )
     for request in requests.values():
         request.wait()
     shapes = [[0, 0, 0] if t is None else t.tolist() for t in (received["prev"], received["next"])]
     return shapes[0], shapes[1]
 
 
-def _host_multi_tensor_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
-                               per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+def _host_multi_tensor_l2_norm(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool, *args: Any
+) -> tuple[torch.Tensor, None]:
     """`local_multi_tensor_l2_norm` (the L2 norm of all the tensors together) with its result left on the host."""
     norms = torch.stack([torch.linalg.vector_norm(t) for tensors in tensor_lists for t in tensors])
     return torch.linalg.vector_norm(norms).float().reshape(1), None
@@ -253,8 +265,9 @@ def _with_cuda_type_names(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _set_main_param_and_optimizer_states(self: Any, model_param: torch.nn.Parameter,
-                                        tensors: dict[str, torch.Tensor]) -> None:  # fmt: skip
+def _set_main_param_and_optimizer_states(
+    self: Any, model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]
+) -> None:
     """`DistributedOptimizer._set_main_param_and_optimizer_states` copying only the tensors it is given.
 
     With torch's AdamW the per-parameter state also holds "step" (already set from the checkpoint's common step by

@@ -12,7 +12,7 @@ Contract: after `streamrl.learner.parallel.init_parallel`, with the chunks built
   TP-partial gradients (qk-norms, sequence-parallel norms and router) over the TP group, and the tied embedding's
   over the first and last pipeline stage.
 - Sums, not means (invariant 6: the loss is already normalised over the whole global step): with
-  `calculate_per_token_loss` (set by `streamrl.learner.model`) DDP does not pre-divide gradients by the DP size,
+  `calculate_per_token_loss` (set by `streamrl.learner.model.gpt`) DDP does not pre-divide gradients by the DP size,
   and the finalize step is handed no token count to divide by.
 - `optimizer`: Megatron's Adam with decoupled weight decay (torch's AdamW, as no TE/apex is installed), the same
   weight decay for every parameter, clipping by the global gradient norm (TP/EP shards and tied copies counted
@@ -45,8 +45,9 @@ class Training:
     optimizer: MegatronOptimizer
     grad_reduce_s: float = 0.0  # seconds the last gradient completion (inside the schedule) took
 
-    def finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
-                       **kwargs: Any) -> None:  # fmt: skip
+    def finalize_grads(
+        self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None, **kwargs: Any
+    ) -> None:
         """Megatron's `finalize_model_grads`, timed, without the division by the schedule's token count (our loss
         is normalised already; see the module docstring)."""
         timer = StepTimer(next(model[0].parameters()).device)
@@ -99,11 +100,14 @@ def build_training(chunks: list[GPTModel], settings: config.OptimizerConfig) -> 
         use_distributed_optimizer=settings.distributed,
     )
     # As Megatron-LM does: only the first virtual-stage chunk splits its gradients into buckets.
-    models = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
-              for index, chunk in enumerate(chunks)]  # fmt: skip
+    models = [
+        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
     # No parameter is exempt from weight decay (as torch's AdamW over all parameters): `config_overrides={}`.
-    optimizer = get_megatron_optimizer(_megatron_optimizer_config(settings, bf16), models, config_overrides={},
-                                       use_gloo_process_groups=False)  # fmt: skip
+    optimizer = get_megatron_optimizer(
+        _megatron_optimizer_config(settings, bf16), models, config_overrides={}, use_gloo_process_groups=False
+    )
     training = Training(models, optimizer)
     no_sync = [model.no_sync for model in models]
     for chunk in chunks:  # the schedules read the first chunk's config; keep them all consistent

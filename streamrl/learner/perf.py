@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from streamrl.batching.cost import CostModel
+from streamrl.batching import CostModel
 from streamrl.types import MicroBatch
 
 

@@ -10,7 +10,7 @@ Contract: `run_microbatches(chunks, microbatches, loss_fn, forward_only=False, w
 - On the last stage `loss_fn(logp, mb)` receives micro-batch `mb`'s float32 per-token log-probs `[1, T]` and
   returns `(loss, result)`; with `with_entropy` it is called as `loss_fn(logp, mb, entropy)` with the entropy of
   each position's next-token distribution (float32 `[1, T]`, differentiable; computed vocab-parallel from the
-  logits, `streamrl.learner.logprobs`). The loss is back-propagated exactly as returned - it is already
+  logits, `streamrl.learner.model.logprobs`). The loss is back-propagated exactly as returned - it is already
   normalised over the global step (invariant 6) - and the results come back in micro-batch order. Other stages
   return `[]`.
 - `forward_only` skips the backward (evaluation); gradients are left untouched.
@@ -28,8 +28,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from streamrl.batching.microbatch import filler_microbatch
-from streamrl.learner.logprobs import LastStageOutput, microbatch_forward, per_token_outputs
+from streamrl.batching import filler_microbatch
+from streamrl.learner.model.logprobs import LastStageOutput, microbatch_forward, per_token_outputs
 from streamrl.types import MicroBatch
 
 R = TypeVar("R")
@@ -44,8 +44,13 @@ def _padded(microbatches: Sequence[MicroBatch]) -> list[MicroBatch]:
     return list(microbatches) + [filler_microbatch()] * (-len(microbatches) % stages)
 
 
-def run_microbatches(chunks: Sequence[GPTModel], microbatches: Sequence[MicroBatch], loss_fn: LossFn[R],
-                     forward_only: bool = False, with_entropy: bool = False) -> list[R]:  # fmt: skip
+def run_microbatches(
+    chunks: Sequence[GPTModel],
+    microbatches: Sequence[MicroBatch],
+    loss_fn: LossFn[R],
+    forward_only: bool = False,
+    with_entropy: bool = False,
+) -> list[R]:
     """Forward (and backward) every micro-batch through the pipeline; see the module docstring."""
     if not microbatches:
         raise ValueError("microbatches: a step needs at least one micro-batch per rank")

@@ -2,7 +2,7 @@
 
 Contract:
 - `reference_chunks(hf_config, hf_state, last_stage_layers)` builds this rank's chunks exactly like the trained
-  ones (same parallel layout, pipeline stage and virtual stages, `streamrl.learner.model.build_model_chunks`)
+  ones (same parallel layout, pipeline stage and virtual stages, `streamrl.learner.model.gpt.build_model_chunks`)
   holding the HF weights `hf_state`, with gradients off and in eval mode. Call it after the trained chunks, on
   every rank.
 - `reference_logprobs(chunks, microbatches)` runs a step's micro-batches (or this CP rank's shards of them) through
@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from streamrl.learner.convert import load_hf_weights
-from streamrl.learner.model import build_model_chunks
+from streamrl.learner.hf.convert import load_hf_weights
+from streamrl.learner.model.gpt import build_model_chunks
 from streamrl.learner.pipeline import run_microbatches
 from streamrl.types import MicroBatch
 
 
-def reference_chunks(hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor],
-                     last_stage_layers: int | None = None) -> list[GPTModel]:  # fmt: skip
+def reference_chunks(
+    hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor], last_stage_layers: int | None = None
+) -> list[GPTModel]:
     """This rank's frozen reference chunks holding `hf_state`; see the module docstring."""
     chunks = build_model_chunks(hf_config, last_stage_layers=last_stage_layers)
     for chunk in chunks:

@@ -29,8 +29,9 @@ def sequence_sums(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tenso
     return sums[segment][None]
 
 
-def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, variant: str, cap: float, level: str,
-                       cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def importance_weights(
+    log_ratio: torch.Tensor, mask: torch.Tensor, variant: str, cap: float, level: str, cu_seqlens: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, capped): the per-token weight and a bool tensor marking tokens truncated or masked."""
     if variant not in VARIANTS:
         raise ValueError(f"loss.policy_loss: unknown variant {variant!r}; choose one of {VARIANTS}")

@@ -18,17 +18,31 @@ from streamrl.loss.regularizers import RegularizerStats, regularization_loss
 from streamrl.types import MicroBatch
 
 
-def microbatch_objective(cfg: LossConfig, logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None = None,
-                         ref_logp: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, PolicyLossStats, RegularizerStats]:  # fmt: skip
+def microbatch_objective(
+    cfg: LossConfig,
+    logp: torch.Tensor,
+    mb: MicroBatch,
+    entropy: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats, RegularizerStats]:
     """Scalar loss of `mb` and its statistics; see the module docstring."""
     as_t = lambda array: torch.from_numpy(array).to(logp.device)  # micro-batches are built on the host
     weight = as_t(mb.loss_weight)
     # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
     # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.
-    loss, stats = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), weight,
-                              cfg.clip_eps, cfg.importance_cap, cfg.policy_loss, cfg.importance_level,
-                              as_t(mb.cu_seqlens))  # fmt: skip
-    extra, regularizers = regularization_loss(logp, weight, entropy, ref_logp, cfg.entropy_coef, cfg.kl_coef,
-                                              cfg.kl_estimator)  # fmt: skip
+    loss, stats = policy_loss(
+        logp,
+        logp.detach(),
+        as_t(mb.behaviour_logprobs),
+        as_t(mb.advantages),
+        weight,
+        cfg.clip_eps,
+        cfg.importance_cap,
+        cfg.policy_loss,
+        cfg.importance_level,
+        as_t(mb.cu_seqlens),
+    )
+    extra, regularizers = regularization_loss(
+        logp, weight, entropy, ref_logp, cfg.entropy_coef, cfg.kl_coef, cfg.kl_estimator
+    )
     return loss + extra, stats, regularizers

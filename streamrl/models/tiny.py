@@ -20,10 +20,22 @@ ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3")
 
 # Shape presets; head_dim 32 because vLLM's CPU attention kernels support only a few head sizes.
 PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, intermediate_size=256),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=32, intermediate_size=512),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=512,
+    ),
 }
 # Expert shapes of the qwen3_moe arch per preset: 8 experts so expert parallelism up to 8 divides them evenly.
 MOE_PRESETS: dict[str, dict[str, int]] = {
@@ -37,8 +49,9 @@ MLA_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
     "small": dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
 }
-DEEPSEEK_ROUTING = dict(n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-                        routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+DEEPSEEK_ROUTING = dict(
+    n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True
+)
 # Std of the random expert bias: comparable to the spread of the sigmoid scores, so both steer the routing
 # (HF initialises it to zero, which would leave the bias untested).
 EXPERT_BIAS_STD = 0.05
@@ -68,14 +81,27 @@ def build_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, tie_word_embeddings: bool,
-               overrides: dict[str, Any]):  # fmt: skip
+def _hf_config(
+    arch: str,
+    preset: str,
+    seed_dtype: str,
+    num_layers: int | None,
+    tie_word_embeddings: bool,
+    overrides: dict[str, Any],
+):
     from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     shape = dict(PRESETS[preset]) | ({"num_hidden_layers": num_layers} if num_layers else {})
     common = dict(
-        vocab_size=VOCAB_SIZE, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=tie_word_embeddings, bos_token_id=2, eos_token_id=4, pad_token_id=0, dtype=seed_dtype,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=2,
+        eos_token_id=4,
+        pad_token_id=0,
+        dtype=seed_dtype,
         **shape,
     )
     if arch == "qwen3":
@@ -83,8 +109,14 @@ def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, 
     elif arch == "qwen3_moe":
         # Every layer sparse (decoder_sparse_step 1); renormalised top-k weights as in the released Qwen3-MoE models.
         config_class = Qwen3MoeConfig
-        fields = dict(attention_bias=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                      **MOE_PRESETS[preset], **common)  # fmt: skip
+        fields = dict(
+            attention_bias=False,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **MOE_PRESETS[preset],
+            **common,
+        )
     elif arch == "deepseek_v3":
         common.pop("head_dim")  # MLA's head dims are the q/k (nope + rope) and v ones
         common["num_key_value_heads"] = common["num_attention_heads"]  # every head gets its keys from the latent
@@ -92,9 +124,16 @@ def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, 
             common["num_hidden_layers"] += DEEPSEEK_ROUTING["first_k_dense_replace"]
         moe = MOE_PRESETS[preset]
         config_class = DeepseekV3Config
-        fields = dict(n_routed_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
-                      moe_intermediate_size=moe["moe_intermediate_size"], attention_bias=False, rope_interleave=True,
-                      **MLA_PRESETS[preset], **DEEPSEEK_ROUTING, **common)  # fmt: skip
+        fields = dict(
+            n_routed_experts=moe["num_experts"],
+            num_experts_per_tok=moe["num_experts_per_tok"],
+            moe_intermediate_size=moe["moe_intermediate_size"],
+            attention_bias=False,
+            rope_interleave=True,
+            **MLA_PRESETS[preset],
+            **DEEPSEEK_ROUTING,
+            **common,
+        )
     elif arch == "qwen2":
         common.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads
         config_class, fields = Qwen2Config, common
@@ -103,9 +142,15 @@ def _hf_config(arch: str, preset: str, seed_dtype: str, num_layers: int | None, 
     return config_class(**{**fields, **overrides})
 
 
-def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,
-                     num_layers: int | None = None, tie_word_embeddings: bool = False,
-                     **overrides: Any) -> Path:  # fmt: skip
+def write_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen3",
+    preset: str = "tiny",
+    seed: int = 0,
+    num_layers: int | None = None,
+    tie_word_embeddings: bool = False,
+    **overrides: Any,
+) -> Path:
     """Write a random-initialised model, tokenizer and chat template to `out_dir`; return the path.
 
     `num_layers` overrides the preset's layer count (pipeline stages need several); `tie_word_embeddings` shares
@@ -133,11 +178,17 @@ def write_tiny_model(out_dir: str | Path, arch: str = "qwen3", preset: str = "ti
     (out / "tokenizer.json").write_text(build_tokenizer_json())
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "model_max_length": 512, "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "model_max_length": 512,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {k: tokenizer_config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")}, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({k: tokenizer_config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")}, indent=2)
+    )
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 4, "pad_token_id": 0}))
     return out

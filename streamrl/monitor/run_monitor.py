@@ -21,20 +21,31 @@ class RunMonitor:
         os.environ.setdefault("WANDB_SILENT", "true")
         self.steps = config.train.steps
         self.run = wandb.init(
-            project=config.wandb.project, name=config.run.name, mode=config.wandb.mode,
-            dir=str(config.run.dir.resolve()), config=config.model_dump(mode="json"),
+            project=config.wandb.project,
+            name=config.run.name,
+            mode=config.wandb.mode,
+            dir=str(config.run.dir.resolve()),
+            config=config.model_dump(mode="json"),
             settings=wandb.Settings(console="off", x_disable_stats=True),
-        )  # fmt: skip
-        self.bar = tqdm(total=self.steps, initial=first_step, desc="train", unit="step", disable=not show_progress,
-                        dynamic_ncols=True)  # fmt: skip
+        )
+        self.bar = tqdm(
+            total=self.steps,
+            initial=first_step,
+            desc="train",
+            unit="step",
+            disable=not show_progress,
+            dynamic_ncols=True,
+        )
         self.history: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.run.log(metrics, step=step)
         self.history.append(metrics)
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
-                             lag=f"{metrics.get('queue/policy_lag_mean', 0.0):.1f}")  # fmt: skip
+        self.bar.set_postfix(
+            reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
+            lag=f"{metrics.get('queue/policy_lag_mean', 0.0):.1f}",
+        )
 
     def close(self) -> str:
         self.bar.close()

@@ -57,6 +57,7 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
         record = pb.Record()
         record.ParseFromString(blob)
         if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})  # fmt: skip
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return rows

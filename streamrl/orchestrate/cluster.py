@@ -1,13 +1,14 @@
-"""Process placement and fault handling: Redis, Ray, engine actors, learner-rank actors, weight group.
+"""Process placement and fault handling: Redis, Ray, engine actors, learner-rank actors.
 
 `Cluster` is a context manager. On enter it starts (or connects to) Redis, starts local Ray
 (dashboard off) or joins `RAY_ADDRESS`, creates engines and learner ranks, waits for them
-(bounded), forms the weight groups (one per pipeline stage: the stage's first learner rank publishes its
-layers, every engine receives from every stage) and starts every engine's generation loop. On exit it stops
-the loops, kills the actors it created, shuts Ray down and stops the Redis server it started.
+(bounded), has its publisher (`streamrl.weights.Publisher`) form the weight groups (one per pipeline stage: the
+stage's first learner rank sends its layers, every engine receives from every stage) and starts every engine's
+generation loop. On exit it stops the loops, kills the actors it created, shuts Ray down and stops the Redis server
+it started. The cluster is the publisher's fleet: it supplies the actors and replaces dead engines.
 
 Faults: an engine whose actor died (found by a failed publish or a finished loop) is dropped; the
-weight group is rebuilt for the survivors (a new generation) and the publish is retried, so one
+weight groups are rebuilt for the survivors (a new generation) and the publish is retried, so one
 dead engine never blocks the learner beyond `train.publish_timeout_s`. With
 `rollout.restart_dead_engines` a replacement starts in its slot; it reads the announced version
 from Redis, sees it lags, and the next publish carries the learner's weights to it.
@@ -21,9 +22,8 @@ from typing import Any
 
 from streamrl.config import Config
 from streamrl.net import free_port
-from streamrl.queue.client import connect_for
-from streamrl.queue.server import EmbeddedRedis
-from streamrl.queue.stream import QueueKeys
+from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for
+from streamrl.weights import Publisher
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,8 @@ class Cluster:
         self.engines: list[Any] = []  # slot i holds the actor of engine i (replaced on restart)
         self.engine_loops: list[Any] = []
         self.learners: list[Any] = []
-        self.publishers: list[Any] = []  # the learner ranks that send weights: the first of each pipeline stage
-        self.weight_generation = 0
-        self.weight_group_stale = True
+        self.senders: list[Any] = []  # the learner ranks that send weights: the first of each pipeline stage
+        self.publisher = Publisher(self, config.train)
         self.engines_restarted = 0
         self._started_ray = False
 
@@ -52,8 +51,8 @@ class Cluster:
     def _start(self) -> None:
         import ray
 
-        from streamrl.learner.worker import LearnerWorker
-        from streamrl.rollout.worker import RolloutWorker
+        from streamrl.learner import LearnerWorker
+        from streamrl.rollout import RolloutWorker
 
         config = self.config
         if config.queue.url is None:
@@ -65,8 +64,13 @@ class Cluster:
         if not ray.is_initialized():
             # Actors inherit these: one intra-op thread each, since ranks and engines share the cores.
             env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": config.wandb.mode}
-            ray.init(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
-                     object_store_memory=512 << 20, configure_logging=False)  # fmt: skip
+            ray.init(
+                include_dashboard=False,
+                log_to_driver=True,
+                runtime_env={"env_vars": env},
+                object_store_memory=512 << 20,
+                configure_logging=False,
+            )
             self._started_ray = True
         gpus = 1 if config.run.device == "cuda" else 0
         self._engine_cls = ray.remote(RolloutWorker).options(num_cpus=0, num_gpus=gpus, max_concurrency=8)
@@ -74,14 +78,15 @@ class Cluster:
         world = config.learner.world_size
         port = config.learner.master_port or free_port()
         self.engines = [self._new_engine(i) for i in range(config.rollout.engines)]
-        self.learners = [learner_cls.remote(config, r, world, "127.0.0.1", port, self.redis_url, self.redis_password)
-                         for r in range(world)]  # fmt: skip
+        self.learners = [
+            learner_cls.remote(config, r, "127.0.0.1", port, self.redis_url, self.redis_password) for r in range(world)
+        ]
         self.get([e.ready.remote() for e in self.engines], config.rollout.start_timeout_s, "engine start-up")
         self.get([r.ready.remote() for r in self.learners], config.learner.step_timeout_s, "learner start-up")
-        publishing = self.get([r.is_publisher.remote() for r in self.learners], 60, "learner roles")
-        self.publishers = [r for r, publishes in zip(self.learners, publishing, strict=True) if publishes]
+        sending = self.get([r.is_sender.remote() for r in self.learners], 60, "learner roles")
+        self.senders = [r for r, sends in zip(self.learners, sending, strict=True) if sends]
         self.announce_version(0)
-        self.form_weight_group()
+        self.publisher.form_groups()
         self.engine_loops = [e.run.remote() for e in self.engines]
 
     def _new_engine(self, index: int) -> Any:
@@ -96,44 +101,7 @@ class Cluster:
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{what}: no answer within {timeout_s}s") from None
 
-    # -- weights ----------------------------------------------------------------------------------
-    def form_weight_group(self) -> None:
-        """New weight groups, one per pipeline stage: its publisher sends to every live engine (collective set-up)."""
-        self.weight_generation += 1
-        addresses = self.get([p.weight_group_address.remote() for p in self.publishers], 60, "weight group address")
-        world = len(self.engines) + 1
-        refs = [p.open_weight_group.remote(host, port, world, self.weight_generation)
-                for p, (host, port) in zip(self.publishers, addresses, strict=True)]  # fmt: skip
-        refs += [e.join_weight_groups.remote(addresses, i + 1, world, self.weight_generation)
-                 for i, e in enumerate(self.engines)]  # fmt: skip
-        self.get(refs, self.config.train.publish_timeout_s, f"weight group {self.weight_generation} set-up")
-        self.weight_group_stale = False
-
-    def publish(self, version: int) -> dict[str, float]:
-        """Send `version` to every engine; a dead engine is replaced (or dropped) and the publish retried."""
-        import ray
-
-        for attempt in (1, 2):
-            if self.weight_group_stale:
-                self.form_weight_group()
-            receives = [e.receive_weights.remote() for e in self.engines]
-            sends = [rank.publish.remote(version) for rank in self.learners]
-            try:
-                stats = _merge_publish_stats(self.get(sends, self.config.train.publish_timeout_s,
-                                                      f"publish of version {version}"))  # fmt: skip
-                running = self.get(receives, self.config.train.publish_timeout_s, f"engines applying {version}")
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                if not self.replace_dead_engines() or attempt == 2:
-                    raise RuntimeError(f"publish of version {version} failed and no engine was found dead") from exc
-                logger.warning("publish of version %d hit a dead engine; retrying (%s)", version, exc)
-                continue
-            published = int(stats["train/published_version"])  # older than `version` under train.publish_lag
-            if any(v != published for v in running):
-                raise RuntimeError(f"publish of version {published}: engines report versions {running}")
-            self.announce_version(published)
-            return stats
-        raise AssertionError("unreachable: the second attempt returns or raises")
-
+    # -- engines ----------------------------------------------------------------------------------
     def replace_dead_engines(self) -> bool:
         """Find engines whose actor died; restart (or drop) them. True if any was dead."""
         import ray
@@ -149,14 +117,17 @@ class Cluster:
             ray.kill(self.engines[index])
             if self.config.rollout.restart_dead_engines:
                 self.engines[index] = self._new_engine(index)
-                self.get([self.engines[index].ready.remote()], self.config.rollout.start_timeout_s,
-                         f"restart of engine-{index}")  # fmt: skip
+                self.get(
+                    [self.engines[index].ready.remote()],
+                    self.config.rollout.start_timeout_s,
+                    f"restart of engine-{index}",
+                )
                 self.engine_loops[index] = self.engines[index].run.remote()
                 self.engines_restarted += 1
             else:
                 del self.engines[index], self.engine_loops[index]
         if dead:
-            self.weight_group_stale = True
+            self.publisher.stale = True
         if not self.engines:
             raise RuntimeError("rollout: every engine is dead")
         return bool(dead)
@@ -181,8 +152,9 @@ class Cluster:
     # -- steps and stats --------------------------------------------------------------------------
     def learner_step(self, step: int) -> dict[str, float]:
         self.check_engines()
-        results = self.get([r.step.remote() for r in self.learners], self.config.learner.step_timeout_s,
-                           f"learner step {step}")  # fmt: skip
+        results = self.get(
+            [r.step.remote() for r in self.learners], self.config.learner.step_timeout_s, f"learner step {step}"
+        )
         return results[0]
 
     def engine_stats(self) -> dict[str, float]:
@@ -208,14 +180,3 @@ class Cluster:
             ray.shutdown()
         if self.redis is not None:
             self.redis.stop()
-
-
-def _merge_publish_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One publish's metrics from its stage publishers (other ranks report nothing); the stages send at once."""
-    stages = [stats for stats in per_rank if stats]
-    seconds = max(stats["perf/publish_seconds"] for stats in stages)
-    total = sum(stats["perf/publish_bytes"] for stats in stages)
-    return {"perf/publish_gbps": total / max(seconds, 1e-9) / 1e9, "perf/publish_bytes": total,
-            "perf/publish_buckets": sum(stats["perf/publish_buckets"] for stats in stages),
-            "perf/publish_stages": len(stages),
-            "train/published_version": stages[0]["train/published_version"]}  # fmt: skip

@@ -1,0 +1,21 @@
+"""The trajectory queue (Redis Streams): the wire codec, the embedded server, producers, the consumer and
+admission by staleness. Public API below; docs/DESIGN.md has the stage page."""
+
+from streamrl.api import exports
+
+__all__, __getattr__ = exports(
+    __name__,
+    {
+        "QueueKeys": "stream",
+        "TrajectoryProducer": "stream",
+        "TrajectoryConsumer": "stream",
+        "connect": "client",
+        "connect_for": "client",
+        "EmbeddedRedis": "server",
+        "encode_group": "codec",
+        "decode_group": "codec",
+        "DecodeError": "codec",
+        "split_by_staleness": "admission",
+        "lag_histogram": "admission",
+    },
+)

@@ -28,8 +28,13 @@ from streamrl.queue.retry import ReconnectWindow
 _MAX_BUFFERS = 1024
 
 
-def client_for(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
-               username: str | None = None) -> redis.Redis:  # fmt: skip
+def client_for(
+    url: str,
+    password: str | None = None,
+    timeout_s: float = 10.0,
+    reconnect_timeout_s: float = 30.0,
+    username: str | None = None,
+) -> redis.Redis:
     """The client `connect` checks and returns, before any connection is opened.
 
     Every command is bounded by `timeout_s` and retried on connection loss for `reconnect_timeout_s`. `password`
@@ -41,13 +46,24 @@ def client_for(url: str, password: str | None = None, timeout_s: float = 10.0, r
     # A connection class given here would replace the one the URL's scheme selects (TLS for rediss://).
     plain_tcp = {"connection_class": GatheringConnection} if urlparse(url).scheme == "redis" else {}
     return redis.Redis.from_url(
-        url, username=username, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=ReconnectWindow(reconnect_timeout_s), command_packer=_COMMAND_PACKER, **plain_tcp,
-    )  # fmt: skip
+        url,
+        username=username,
+        password=password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=ReconnectWindow(reconnect_timeout_s),
+        command_packer=_COMMAND_PACKER,
+        **plain_tcp,
+    )
 
 
-def connect(url: str, password: str | None = None, timeout_s: float = 10.0, reconnect_timeout_s: float = 30.0,
-            username: str | None = None) -> redis.Redis:  # fmt: skip
+def connect(
+    url: str,
+    password: str | None = None,
+    timeout_s: float = 10.0,
+    reconnect_timeout_s: float = 30.0,
+    username: str | None = None,
+) -> redis.Redis:
     """`client_for`, checked with a PING: a refused password raises PermissionError at once."""
     client = client_for(url, password, timeout_s, reconnect_timeout_s, username)
     user = client.connection_pool.connection_kwargs.get("username")  # from the URL, the argument or $REDIS_USERNAME
@@ -74,8 +90,9 @@ class GatheringConnection(redis.connection.Connection):
     a timeout raises TimeoutError, a socket error ConnectionError, and any failure closes the connection (part of the
     command may have been sent)."""
 
-    def send_packed_command(self, command: str | bytes | Sequence[bytes | memoryview],
-                            check_health: bool = True) -> None:  # fmt: skip
+    def send_packed_command(
+        self, command: str | bytes | Sequence[bytes | memoryview], check_health: bool = True
+    ) -> None:
         if isinstance(command, str | bytes) or len(command) < 2:
             return super().send_packed_command(command, check_health)
         if not self._sock:

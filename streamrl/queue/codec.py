@@ -66,8 +66,10 @@ def encode_payload(group: TrajectoryGroup) -> WirePayload:
     )
     padding = b"\0" * (-(_PREFIX + len(header)) % 8)  # 8-aligned arrays (a bytes object itself is 8-aligned)
     head = b"".join([MAGIC, bytes([SCHEMA_VERSION]), len(header).to_bytes(4, "little"), header, padding])
-    arrays = tuple(memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B") for array, dtype in
-                   ((group.response_ids, _I32), (group.logprobs, _F32), (group.versions, _I32)))  # fmt: skip
+    arrays = tuple(
+        memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")
+        for array, dtype in ((group.response_ids, _I32), (group.logprobs, _F32), (group.versions, _I32))
+    )
     return WirePayload(head, arrays, len(head) + sum(map(len, arrays)))
 
 
@@ -131,8 +133,10 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
         raise DecodeError("lens: negative response length")
     total = sum(lens)
     if len(data) - start != total * _TOKEN_BYTES:
-        raise DecodeError(f"ids/lp/ver: {len(data) - start} bytes of token arrays, lens say {total} tokens "
-                          f"({total * _TOKEN_BYTES} bytes)")  # fmt: skip
+        raise DecodeError(
+            f"ids/lp/ver: {len(data) - start} bytes of token arrays, lens say {total} tokens "
+            f"({total * _TOKEN_BYTES} bytes)"
+        )
     ids = np.frombuffer(data, _I32, total, start)
     logprobs = np.frombuffer(data, _F32, total, start + 4 * total)
     versions = np.frombuffer(data, _I32, total, start + 8 * total)
@@ -142,5 +146,6 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
         raise DecodeError(f"fin: expected {len(lens)} values from {sorted(FINISH_REASONS)}")
     if not all(map(math.isfinite, rewards.tolist())) or not np.isfinite(logprobs).all():
         raise DecodeError("rew/lp: non-finite value")
-    return TrajectoryGroup(group_id, engine_id, _array(msg, "prompt", _I32), ids, logprobs, versions, tuple(lens),
-                           rewards, tuple(finish))  # fmt: skip
+    return TrajectoryGroup(
+        group_id, engine_id, _array(msg, "prompt", _I32), ids, logprobs, versions, tuple(lens), rewards, tuple(finish)
+    )

@@ -55,11 +55,30 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", self.password,
-            "--dir", str(self.data_dir.resolve()), "--appendonly", "yes", "--appendfsync", self.appendfsync,
-            "--save", "", "--maxmemory-policy", "noeviction", "--protected-mode", "yes", "--daemonize", "no",
-            "--logfile", "redis.log",
-        ]  # fmt: skip
+            find_redis_server(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--requirepass",
+            self.password,
+            "--dir",
+            str(self.data_dir.resolve()),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            "redis.log",
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url, password=self.password, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s

@@ -161,9 +161,20 @@ class TrajectoryProducer:
         pipe = self.client.pipeline(transaction=False)
         if wait_s is not None:
             pipe.blpop([self.keys.room], timeout=wait_s)
-        pipe.eval(scripts.CLAIM, 5, self.keys.stream, self.keys.claims, self.keys.trained, self.keys.markers,
-                  self.keys.room, self.token, fewest, self.max_backlog, CLAIM_TTL_MS,
-                  *[group.group_id for group in groups])  # fmt: skip
+        pipe.eval(
+            scripts.CLAIM,
+            5,
+            self.keys.stream,
+            self.keys.claims,
+            self.keys.trained,
+            self.keys.markers,
+            self.keys.room,
+            self.token,
+            fewest,
+            self.max_backlog,
+            CLAIM_TTL_MS,
+            *[group.group_id for group in groups],
+        )
         granted, *before = pipe.execute()[-1]
         self._room = granted
         return granted, {group.group_id for group, flag in zip(groups, before, strict=True) if flag}
@@ -202,8 +213,18 @@ class TrajectoryProducer:
             pipe.execute_command("MULTI")
             for group_id, data in run:
                 pipe.execute_command("XADD", self.keys.stream, "*", "i", group_id, "g", data)
-            pipe.eval(scripts.ADMIT, 5, self.keys.stream, self.keys.trained, self.keys.claims, self.keys.room,
-                      self.keys.markers, self.token, self.max_backlog, *group_ids)  # fmt: skip
+            pipe.eval(
+                scripts.ADMIT,
+                5,
+                self.keys.stream,
+                self.keys.trained,
+                self.keys.claims,
+                self.keys.room,
+                self.keys.markers,
+                self.token,
+                self.max_backlog,
+                *group_ids,
+            )
             pipe.execute_command("EXEC")
         replies = pipe.execute()
         statuses: list[int] = []
@@ -234,8 +255,7 @@ def _runs(items: list[tuple[str, WirePayload]], max_bytes: int) -> list[list[tup
 class TrajectoryConsumer:
     """Reads groups through the consumer group; `commit` acks them once the step that used them commits."""
 
-    def __init__(self, client: redis.Redis, keys: QueueKeys, consumer: str, reclaim_idle_ms: int,
-                 max_entry_bytes: int):  # fmt: skip
+    def __init__(self, client: redis.Redis, keys: QueueKeys, consumer: str, reclaim_idle_ms: int, max_entry_bytes: int):
         self.client, self.keys, self.consumer = client, keys, consumer
         self.reclaim_idle_ms, self.max_entry_bytes = reclaim_idle_ms, max_entry_bytes
         self.dead_lettered = 0
@@ -294,8 +314,9 @@ class TrajectoryConsumer:
 
     def _read_entries(self, count: int, block_ms: int | None, after: str = ">") -> list[_Entry]:
         """XREADGROUP of up to `count` entries: new ones, or this consumer's pending ones `after` an id."""
-        reply = self.client.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.stream: after}, count=count,
-                                       block=block_ms)  # fmt: skip
+        reply = self.client.xreadgroup(
+            CONSUMER_GROUP, self.consumer, {self.keys.stream: after}, count=count, block=block_ms
+        )
         return reply[0][1] if reply else []
 
     def _decode(self, entries: list[_Entry]) -> list[ConsumedGroup]:
@@ -317,8 +338,9 @@ class TrajectoryConsumer:
                 group = decoded if decoded is not None else decode_group(data, self.max_entry_bytes)
                 named = fields.get(b"i")
                 if named is not None and named != group.group_id.encode():
-                    raise DecodeError(f"i: the entry names group {named[:MAX_ID_CHARS]!r}, its payload "
-                                      f"{group.group_id!r}")  # fmt: skip
+                    raise DecodeError(
+                        f"i: the entry names group {named[:MAX_ID_CHARS]!r}, its payload {group.group_id!r}"
+                    )
             except DecodeError as exc:
                 self._dead_letter(entry_id, data or b"", str(exc))
                 continue
@@ -348,8 +370,9 @@ class TrajectoryConsumer:
 
     def _dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead_letters, {"entry_id": entry_id, "reason": reason,
-                                           "payload": payload[: self.max_entry_bytes]})  # fmt: skip
+        pipe.xadd(
+            self.keys.dead_letters, {"entry_id": entry_id, "reason": reason, "payload": payload[: self.max_entry_bytes]}
+        )
         pipe.xack(self.keys.stream, CONSUMER_GROUP, entry_id)
         pipe.xdel(self.keys.stream, entry_id)
         pipe.execute()
@@ -359,8 +382,19 @@ class TrajectoryConsumer:
         """Run the retire script (one command: cheaper for the client than MULTI/EXEC, and as atomic) on the entries
         and the push markers of `group_ids`, which it records as trained if `record`; returns the stream's length
         after it. With `read_ahead`, the same round trip reads up to that many new entries ahead."""
-        args = (scripts.RETIRE, 4, self.keys.stream, self.keys.trained, self.keys.room, self.keys.markers,
-                CONSUMER_GROUP, int(record), len(entry_ids), *entry_ids, *group_ids)  # fmt: skip
+        args = (
+            scripts.RETIRE,
+            4,
+            self.keys.stream,
+            self.keys.trained,
+            self.keys.room,
+            self.keys.markers,
+            CONSUMER_GROUP,
+            int(record),
+            len(entry_ids),
+            *entry_ids,
+            *group_ids,
+        )
         if not read_ahead:
             return int(self.client.eval(*args))
         pipe = self.client.pipeline(transaction=False)
@@ -403,8 +437,9 @@ class TrajectoryConsumer:
             # Not during the pass over own pending entries after a restart: it would meet the entries read ahead.
             room = 2 * self._read_size - len(self._ahead)
             read_ahead = max(room, 0) if self._more_likely and self._own_pending_from is None else 0
-            length = self._retire([c.entry_id for c in consumed], [c.group.group_id for c in consumed], record=True,
-                                  read_ahead=read_ahead)  # fmt: skip
+            length = self._retire(
+                [c.entry_id for c in consumed], [c.group.group_id for c in consumed], record=True, read_ahead=read_ahead
+            )
             self._release(consumed)
             # The stream holds pending (this consumer's and others') and unread entries: a guess, refreshed each step.
             self._more_likely = length > len(self._in_hand) + len(self._ahead)

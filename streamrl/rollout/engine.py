@@ -85,14 +85,29 @@ class VLLMEngine:
         self._prompt_logprobs: dict[str, list[Any]] = {}
         self._next_id = 0
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], n: int, max_tokens: int,
-               temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> None:  # fmt: skip
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> None:
         """Queue one prompt for `n` samples; they come back from `pop_finished()` under `request_id`."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                logprobs=0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+        params = SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+        )
         self._add(request_id, prompt_token_ids, params, n)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: Any, n: int) -> None:

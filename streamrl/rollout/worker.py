@@ -29,13 +29,12 @@ from typing import Any
 import numpy as np
 
 from streamrl.config import Config
-from streamrl.queue.client import connect_for
-from streamrl.queue.stream import QueueKeys, TrajectoryProducer
+from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import build_reward
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.prompts import Prompt, PromptSource
 from streamrl.types import TrajectoryGroup
-from streamrl.weights.transport import WeightGroup, receive_stages
+from streamrl.weights import WeightGroup, receive_stages
 
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
 
@@ -49,9 +48,12 @@ class RolloutWorker:
         self.config, self.engine_id = config, f"engine-{engine_index}"
         rollout = config.rollout
         self.engine = VLLMEngine(
-            str(config.model.path), kv_cache_bytes=rollout.kv_cache_bytes, max_model_len=rollout.max_model_len,
-            dtype=rollout.dtype, seed=config.run.seed + engine_index,
-        )  # fmt: skip
+            str(config.model.path),
+            kv_cache_bytes=rollout.kv_cache_bytes,
+            max_model_len=rollout.max_model_len,
+            dtype=rollout.dtype,
+            seed=config.run.seed + engine_index,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         self.prompts = PromptSource(config.task, seed=config.run.seed * 1000 + engine_index)
         self.reward = build_reward(config.task)
@@ -75,8 +77,11 @@ class RolloutWorker:
     def ready(self) -> dict[str, Any]:
         """Identity, the version this engine runs and the latest one announced (a restarted engine lags)."""
         announced = self.redis.get(self.keys.policy_version)
-        return {"engine_id": self.engine_id, "version": self.engine.policy_version,
-                "announced_version": int(announced) if announced is not None else 0}  # fmt: skip
+        return {
+            "engine_id": self.engine_id,
+            "version": self.engine.policy_version,
+            "announced_version": int(announced) if announced is not None else 0,
+        }
 
     def policy_version(self) -> int:
         return self.engine.policy_version
@@ -113,8 +118,9 @@ class RolloutWorker:
         while len(self._in_flight) < rollout.prompts_per_batch:
             prompt = next(self.prompts)
             message = [{"role": "user", "content": prompt.text}]
-            ids = self.tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)  # fmt: skip
+            ids = self.tokenizer.apply_chat_template(
+                message, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             request_id = uuid.uuid4().hex
             self.engine.submit(request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p)
             self._in_flight[request_id] = (prompt, ids)
@@ -129,12 +135,16 @@ class RolloutWorker:
             return np.fromiter(chain.from_iterable(lists), dtype, sum(map(len, lists)))
 
         group = TrajectoryGroup(
-            request_id, self.engine_id, np.asarray(prompt_ids, np.int32),
-            joined([s.token_ids for s in samples], np.int32), joined([s.logprobs for s in samples], np.float32),
-            joined([s.versions for s in samples], np.int32), tuple(len(s.token_ids) for s in samples),
+            request_id,
+            self.engine_id,
+            np.asarray(prompt_ids, np.int32),
+            joined([s.token_ids for s in samples], np.int32),
+            joined([s.logprobs for s in samples], np.float32),
+            joined([s.versions for s in samples], np.int32),
+            tuple(len(s.token_ids) for s in samples),
             np.array([self.reward(s.text, prompt.answer) for s in samples], np.float32),
             tuple(s.finish_reason if s.finish_reason in ("stop", "length") else "abort" for s in samples),
-        )  # fmt: skip
+        )
         self.tokens_generated += len(group.response_ids)
         return group
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from streamrl.weights.copy_plan import CopyPlan, StreamedLoad
+from streamrl.weights import CopyPlan, StreamedLoad
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +143,7 @@ class WeightReloadExtension:
         model.load_weights(tensors)
         finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
 
-    def _streamrl_record_plan(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]
-                              ) -> CopyPlan | None:  # fmt: skip
+    def _streamrl_record_plan(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> CopyPlan | None:
         """Load `tensors` the layerwise way while recording a plan; keep it only if replaying it on the
         weights just loaded changes none of them (then it does what the layerwise reload does)."""
         if self.vllm_config.model_config.quantization is not None:  # type: ignore[attr-defined]
@@ -153,7 +152,9 @@ class WeightReloadExtension:
             self._streamrl_plan_status = "refused: quantized model"
             return None
         plan, reason = CopyPlan.record_checked(
-            lambda: self._streamrl_layerwise_load(model, tensors), tensors, [*model.parameters(), *model.buffers()],
+            lambda: self._streamrl_layerwise_load(model, tensors),
+            tensors,
+            [*model.parameters(), *model.buffers()],
             finish=lambda: _repack_cpu_moe_experts(model),
         )
         self._streamrl_plan_status = "recorded" if plan is not None else f"refused: {reason}"

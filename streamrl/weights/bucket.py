@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                      torch.int64, torch.int32, torch.uint8)}  # fmt: skip
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
+}
 LAYOUT_SCHEMA = 2
 ALIGN = 16  # every tensor starts on a 16-byte boundary so any dtype can view it (and GPU copies vectorise)
 
@@ -54,7 +56,7 @@ class Layout:
     def __post_init__(self) -> None:
         previous_end = 0
         for e in self.entries:
-            dtype = _DTYPES.get(e.dtype)
+            dtype = DTYPES.get(e.dtype)
             if dtype is None:
                 raise ValueError(f"weight layout: tensor {e.name!r} has unsupported dtype {e.dtype!r}")
             if e.offset < previous_end or e.offset % ALIGN or math.prod(e.shape) * dtype.itemsize != e.nbytes:
@@ -69,8 +71,9 @@ class Layout:
         entries, offset = [], 0
         for name, tensor in bucket:
             nbytes = tensor_nbytes(tensor)
-            entries.append(ManifestEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                                         offset, nbytes))  # fmt: skip
+            entries.append(
+                ManifestEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes)
+            )
             offset += _aligned(nbytes)
         return Layout(tuple(entries))
 
@@ -80,8 +83,10 @@ class Layout:
             return f"{len(bucket)} tensors where the layout has {len(self.entries)}"
         for e, (name, tensor) in zip(self.entries, bucket, strict=True):
             if name != e.name or tuple(tensor.shape) != e.shape or str(tensor.dtype).removeprefix("torch.") != e.dtype:
-                return f"tensor {name!r} {str(tensor.dtype)}{list(tensor.shape)} where the layout has {e.name!r} " \
-                       f"{e.dtype}{list(e.shape)}"  # fmt: skip
+                return (
+                    f"tensor {name!r} {str(tensor.dtype)}{list(tensor.shape)} where the layout has {e.name!r} "
+                    f"{e.dtype}{list(e.shape)}"
+                )
         return None
 
     def encode(self) -> bytes:
@@ -94,8 +99,9 @@ class Layout:
             schema, rows = msgpack.unpackb(data, strict_map_key=True)
             if schema != LAYOUT_SCHEMA:
                 raise ValueError(f"schema {schema} (expected {LAYOUT_SCHEMA})")
-            entries = tuple(ManifestEntry(str(n), str(d), tuple(int(x) for x in s), int(o), int(b))
-                            for n, d, s, o, b in rows)  # fmt: skip
+            entries = tuple(
+                ManifestEntry(str(n), str(d), tuple(int(x) for x in s), int(o), int(b)) for n, d, s, o, b in rows
+            )
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise ValueError(f"weight layout: malformed ({exc})") from None
         return Layout(entries)
@@ -108,7 +114,7 @@ def _runs(entries: tuple[ManifestEntry, ...]) -> tuple[_Run, ...]:
         stop = start
         while stop < len(entries) and entries[stop].dtype == entries[start].dtype:
             stop += 1
-        dtype, run = _DTYPES[entries[start].dtype], entries[start:stop]
+        dtype, run = DTYPES[entries[start].dtype], entries[start:stop]
         end = run[-1].offset + run[-1].nbytes
         sizes = []
         for entry, following in zip(run, [*run[1:], None], strict=True):
@@ -127,8 +133,9 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group the stream into buckets of at most `bucket_bytes`; large tensors (>= half) are buckets of their own."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
@@ -174,7 +181,9 @@ def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor, layout: L
 def unpack(buffer: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
     """Views of `buffer` for every layout entry (no copy); raises ValueError if the buffer is too short."""
     if buffer.numel() < layout.nbytes:
-        raise ValueError(f"weight bucket: {buffer.numel()} bytes cannot hold tensor {layout.entries[-1].name!r} "
-                         f"ending at byte {layout.nbytes}")  # fmt: skip
+        raise ValueError(
+            f"weight bucket: {buffer.numel()} bytes cannot hold tensor {layout.entries[-1].name!r} "
+            f"ending at byte {layout.nbytes}"
+        )
     pieces = _typed_pieces(buffer, layout)
     return [(e.name, piece.view(e.shape)) for e, piece in zip(layout.entries, pieces, strict=True)]

@@ -143,15 +143,19 @@ class _Recorder(TorchFunctionMode):
                 self.problem = f"over {_UNRESOLVED_BYTES >> 20} MiB of loaded views have not reached the model"
                 self._staged.clear()
         elif into_module and _storage(source) in self._staged:
-            if (source.shape, source.stride(), source.dtype) != (destination.shape, destination.stride(),
-                                                                 destination.dtype):  # fmt: skip
+            if (source.shape, source.stride(), source.dtype) != (
+                destination.shape,
+                destination.stride(),
+                destination.dtype,
+            ):
                 self.problem = f"a loaded {tuple(source.shape)} tensor reaches the model in another layout"
                 return
             shift = destination.storage_offset() - source.storage_offset()
             self._staged_bytes -= source.untyped_storage().nbytes()
             for fresh, view in self._staged.pop(_storage(source)):
-                self.copies.append((destination.as_strided(fresh.shape, fresh.stride(),
-                                                           fresh.storage_offset() + shift), view))  # fmt: skip
+                self.copies.append(
+                    (destination.as_strided(fresh.shape, fresh.stride(), fresh.storage_offset() + shift), view)
+                )
         elif into_module:
             # Values the load computed (a scaled tensor, a recomputed buffer) would not be redone by a replay.
             self.problem = f"the load copies a computed {tuple(source.shape)} tensor into the model"
@@ -183,8 +187,9 @@ class CopyPlan:
             self._copies_of_input[source.index].append(copy)
 
     @staticmethod
-    def record(load: Callable[[], object], tensors: NamedTensors, targets: Iterable[torch.Tensor]
-               ) -> tuple[CopyPlan | None, str | None]:  # fmt: skip
+    def record(
+        load: Callable[[], object], tensors: NamedTensors, targets: Iterable[torch.Tensor]
+    ) -> tuple[CopyPlan | None, str | None]:
         inputs = [tensor for _, tensor in tensors]
         storages = {_storage(t) for t in targets if t.numel() and not t.is_meta}
         recorder = _Recorder(inputs, storages)
@@ -201,14 +206,24 @@ class CopyPlan:
             sources.append(_Source(index, offset, tuple(view.shape), tuple(view.stride())))
             destinations.append(destination)
             views.append(view)
-        plan = CopyPlan(tuple(name for name, _ in tensors), tuple(t.dtype for t in inputs),
-                        tuple(tuple(t.shape) for t in inputs), destinations, tuple(sources), views,
-                        tuple(t.data_ptr() for t in inputs))  # fmt: skip
+        plan = CopyPlan(
+            tuple(name for name, _ in tensors),
+            tuple(t.dtype for t in inputs),
+            tuple(tuple(t.shape) for t in inputs),
+            destinations,
+            tuple(sources),
+            views,
+            tuple(t.data_ptr() for t in inputs),
+        )
         return plan, None
 
     @staticmethod
-    def record_checked(load: Callable[[], object], tensors: NamedTensors, targets: list[torch.Tensor],
-                       finish: Callable[[], object] = lambda: None) -> tuple[CopyPlan | None, str | None]:  # fmt: skip
+    def record_checked(
+        load: Callable[[], object],
+        tensors: NamedTensors,
+        targets: list[torch.Tensor],
+        finish: Callable[[], object] = lambda: None,
+    ) -> tuple[CopyPlan | None, str | None]:
         plan, reason = CopyPlan.record(load, tensors, targets)
         finish()
         if plan is None:
@@ -263,8 +278,10 @@ class CopyPlan:
     def _sources_for(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if tuple(t.data_ptr() for t in inputs) == self.recorded_inputs:
             return self.recorded_views
-        return [inputs[s.index].as_strided(s.size, s.stride, inputs[s.index].storage_offset() + s.offset)
-                for s in self.sources]  # fmt: skip
+        return [
+            inputs[s.index].as_strided(s.size, s.stride, inputs[s.index].storage_offset() + s.offset)
+            for s in self.sources
+        ]
 
 
 def _fingerprint(tensors: list[torch.Tensor], chunk: int = 1 << 24) -> torch.Tensor:

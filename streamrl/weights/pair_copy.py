@@ -25,17 +25,25 @@ _kernel_failed = False  # set once the kernel could not be built here: every pai
 
 
 def _kernel_fits(destination: torch.Tensor, source: torch.Tensor) -> bool:
-    return (destination.is_cuda and destination.device == source.device and destination.dtype == source.dtype
-            and destination.is_contiguous() and source.is_contiguous()
-            and destination.data_ptr() % 8 == 0 and source.data_ptr() % 8 == 0
-            and (destination.numel() * destination.element_size()) % 8 == 0)  # fmt: skip
+    return (
+        destination.is_cuda
+        and destination.device == source.device
+        and destination.dtype == source.dtype
+        and destination.is_contiguous()
+        and source.is_contiguous()
+        and destination.data_ptr() % 8 == 0
+        and source.data_ptr() % 8 == 0
+        and (destination.numel() * destination.element_size()) % 8 == 0
+    )
 
 
 class PairCopy:
     def __init__(self, destinations: list[torch.Tensor], sources: list[torch.Tensor]):
         fits = [_kernel_fits(d, s) for d, s in zip(destinations, sources, strict=True)]
-        self._rest = ([d for d, f in zip(destinations, fits, strict=True) if not f],
-                      [s for s, f in zip(sources, fits, strict=True) if not f])  # fmt: skip
+        self._rest = (
+            [d for d, f in zip(destinations, fits, strict=True) if not f],
+            [s for s, f in zip(sources, fits, strict=True) if not f],
+        )
         kernel = [(d, s) for d, s, f in zip(destinations, sources, fits, strict=True) if f and d.numel()]
         self._tables = _block_tables(kernel) if kernel else None
         self._kernel_pairs = kernel  # kept alive: the tables hold their addresses

@@ -15,8 +15,9 @@ from streamrl.weights.pair_copy import BLOCK
 
 
 @triton.jit
-def _pairs_kernel(source_at, destination_at, words_of, block_pair, block_start, block: tl.constexpr,
-                  swap: tl.constexpr):  # fmt: skip
+def _pairs_kernel(
+    source_at, destination_at, words_of, block_pair, block_start, block: tl.constexpr, swap: tl.constexpr
+):
     program = tl.program_id(0)
     pair = tl.load(block_pair + program)
     offsets = tl.load(block_start + program) + tl.arange(0, block)
@@ -29,7 +30,14 @@ def _pairs_kernel(source_at, destination_at, words_of, block_pair, block_start, 
     tl.store(destination + offsets, words, mask=inside)
 
 
-def launch(sources: torch.Tensor, destinations: torch.Tensor, words: torch.Tensor, block_pair: torch.Tensor,
-           block_start: torch.Tensor, swap: bool) -> None:  # fmt: skip
-    _pairs_kernel[(block_pair.numel(),)](sources, destinations, words, block_pair, block_start, BLOCK, swap,
-                                         num_warps=4)  # fmt: skip
+def launch(
+    sources: torch.Tensor,
+    destinations: torch.Tensor,
+    words: torch.Tensor,
+    block_pair: torch.Tensor,
+    block_start: torch.Tensor,
+    swap: bool,
+) -> None:
+    _pairs_kernel[(block_pair.numel(),)](
+        sources, destinations, words, block_pair, block_start, BLOCK, swap, num_warps=4
+    )

@@ -65,8 +65,9 @@ class PublishStats:
 class WeightGroup:
     """Rank 0 publishes versions; every other rank receives them whole."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, generation: int, timeout_s: float,
-                 device: str = "cpu"):  # fmt: skip
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, generation: int, timeout_s: float, device: str = "cpu"
+    ):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
@@ -122,8 +123,9 @@ class WeightGroup:
         # The works hold their tensors alive until they complete; waiting on them frees the slot.
         self._in_flight[slot] = [self._broadcast(tensor) for tensor in (*control, payload)]
 
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                ) -> PublishStats:  # fmt: skip
+    def publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    ) -> PublishStats:
         """Rank 0: stream one complete version to every receiver; raises ValueError if it did not commit."""
         if self.rank != 0:
             raise RuntimeError("weights: only rank 0 of a weight group publishes")
@@ -149,8 +151,9 @@ class WeightGroup:
         nbytes = sum(layout.nbytes for layout in plan)
         return PublishStats(version, len(plan), nbytes, time.perf_counter() - start, discover)
 
-    def _send_discovering(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                          ) -> tuple[Layout, ...]:  # fmt: skip
+    def _send_discovering(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    ) -> tuple[Layout, ...]:
         plan = []
         for index, bucket in enumerate(plan_buckets(named_tensors, bucket_bytes)):
             layout = Layout.of(bucket)
@@ -160,8 +163,7 @@ class WeightGroup:
         self._broadcast(self._ints(0))
         return tuple(plan)
 
-    def _send_planned(self, plan: tuple[Layout, ...], named_tensors: Iterable[tuple[str, torch.Tensor]]
-                      ) -> str | None:  # fmt: skip
+    def _send_planned(self, plan: tuple[Layout, ...], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
         """Send the stream along `plan`; returns what differs from the plan (then the rest is filler), or None."""
         tensors = iter(named_tensors)
         problem = None
@@ -223,8 +225,10 @@ class WeightGroup:
         if committed_version != version or not committed:
             self._plans.pop(plan_id, None)
             self._staging.pop(plan_id, None)
-            raise ValueError(f"weights: version {version} was not committed by the publisher (bucket plan {plan_id} "
-                             "no longer matches the model); the running version stays")  # fmt: skip
+            raise ValueError(
+                f"weights: version {version} was not committed by the publisher (bucket plan {plan_id} "
+                "no longer matches the model); the running version stays"
+            )
         self._plans[plan_id] = plan
         self._staging = {plan_id: (buffers, staged, firsts)}  # one version's worth of staging, not one per plan
         return version, list(staged)

@@ -15,9 +15,11 @@ def test_step_is_the_shortest_prefix_meeting_every_minimum(lengths, groups_per_s
     groups = [make_group(ls, seed=i) for i, ls in enumerate(lengths)]
 
     def complete(prefix):
-        return (len(prefix) >= groups_per_step
-                and sum(len(t.response_ids) > 0 for g in prefix for t in g.trajectories) >= min_seqs
-                and (tokens_per_step is None or sum(g.num_tokens for g in prefix) >= tokens_per_step))  # fmt: skip
+        return (
+            len(prefix) >= groups_per_step
+            and sum(len(t.response_ids) > 0 for g in prefix for t in g.trajectories) >= min_seqs
+            and (tokens_per_step is None or sum(g.num_tokens for g in prefix) >= tokens_per_step)
+        )
 
     size = take_step(groups, groups_per_step, tokens_per_step, min_seqs)
     if size is None:
@@ -29,8 +31,11 @@ def test_step_is_the_shortest_prefix_meeting_every_minimum(lengths, groups_per_s
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 30), min_size=2, max_size=4), min_size=40, max_size=60),
-       st.integers(1, 6), st.one_of(st.none(), st.integers(1, 300)))  # fmt: skip
+@given(
+    st.lists(st.lists(st.integers(1, 30), min_size=2, max_size=4), min_size=40, max_size=60),
+    st.integers(1, 6),
+    st.one_of(st.none(), st.integers(1, 300)),
+)
 def test_reading_what_is_needed_completes_a_step_and_carries_the_rest(lengths, groups_per_step, tokens_per_step):
     stream = [make_group(ls, seed=i) for i, ls in enumerate(lengths)]
     held = []

@@ -45,15 +45,18 @@ def test_plan_covers_every_response_once_within_budget(lengths, dp, budget, norm
                 assert width == 1
                 continue
             seen += [(tuple(tokens), int((weights > 0).sum())) for tokens, weights in _segments(mb)]
-    expected = [(tuple(np.concatenate([g.prompt_ids, t.response_ids])), len(t.response_ids))
-                for g in groups for t in g.trajectories]  # fmt: skip
+    expected = [
+        (tuple(np.concatenate([g.prompt_ids, t.response_ids])), len(t.response_ids))
+        for g in groups
+        for t in g.trajectories
+    ]
     assert sorted(seen) == sorted(expected)
     np.testing.assert_allclose(total_weight, 1.0, rtol=1e-5)
 
 
 def test_labels_and_behaviour_logprobs_line_up_in_a_packed_row() -> None:
     group = make_group([3, 5])
-    (mb,), = plan_step([group], 1, 1000, "token_mean")  # fmt: skip
+    ((mb,),) = plan_step([group], 1, 1000, "token_mean")
     p = len(group.prompt_ids)
     assert mb.cu_seqlens.tolist() == [0, p + 4, 2 * p + 6]  # longest first, each L - 1 positions
     longest_first = sorted(group.trajectories, key=lambda t: -len(t.response_ids))

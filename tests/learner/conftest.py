@@ -7,11 +7,11 @@ from collections.abc import Iterator
 import pytest
 
 from streamrl.learner.parallel import destroy_parallel, init_parallel
-from tests.learner.ranks import TIMEOUT_S, free_port
+from tests.learner.ranks import free_port, layout
 
 
 @pytest.fixture(scope="module")
 def tp1_world() -> Iterator[None]:
-    init_parallel(0, 1, 1, "127.0.0.1", free_port(), TIMEOUT_S, seed=0)
+    init_parallel(layout(1, 1), 0, "127.0.0.1", free_port(), seed=0)
     yield
     destroy_parallel()

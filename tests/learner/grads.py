@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from streamrl.config import OptimizerConfig
-from streamrl.learner.convert import stream_hf_weights
+from streamrl.learner.hf.convert import stream_hf_weights
 from streamrl.learner.optimizer import Training, build_training
 
 

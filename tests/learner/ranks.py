@@ -1,7 +1,8 @@
 """Helpers for learner tests: a free rendezvous port and spawned gloo ranks with bounded joins.
 
 A test that runs several worlds one after another in the same ranks takes each next world's port with
-`next_world_port` just before the current world ends.
+`next_world_port` just before the current world ends. `layout(world_size, tensor_parallel, **sizes)` is the
+`LearnerConfig` that `init_parallel` takes for a test world.
 
 `run_ranks(target, world_size, args, out_dir, timeout_s)` starts `target(rank, port, *args, out_dir)` in
 `world_size` spawned processes (OMP_NUM_THREADS=1: the test machine has few cores), joins each within
@@ -19,7 +20,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from streamrl.config import LearnerConfig
+
 TIMEOUT_S = 60.0  # bound on a learner test's rendezvous and collectives
+
+
+def layout(world_size: int, tensor_parallel: int = 1, **sizes: int) -> LearnerConfig:
+    """A test world's learner layout (data-parallel size derived) with collectives bounded by TIMEOUT_S."""
+    return LearnerConfig.for_world(world_size, tensor_parallel=tensor_parallel, collective_timeout_s=TIMEOUT_S, **sizes)
 
 
 def free_port() -> int:

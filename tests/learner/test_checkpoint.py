@@ -28,12 +28,12 @@ from streamrl.learner.checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
-from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.model import build_gpt_model
+from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.model.gpt import build_gpt_model
+from streamrl.learner.model.logprobs import token_logprobs
 from streamrl.learner.optimizer import Training, build_training
 from streamrl.learner.parallel import destroy_parallel, init_parallel
-from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, layout, record_errors, run_ranks
 
 SEQ = 24
 TRAIN, NEXT, EVAL = 0, 1, 2  # batches: before the save, the step after it, the loss that is compared
@@ -88,7 +88,7 @@ def _load_and_continue(model_dir: Path, path: Path) -> float:
 def _two_rank_save(rank: int, port: int, tp: int, ep: int, model_dir: Path, root: Path, out_dir: Path) -> None:
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        init_parallel(rank, 2, tp, "127.0.0.1", port, TIMEOUT_S, seed=0, expert_parallel=ep)
+        init_parallel(layout(2, tp, expert_parallel=ep), rank, "127.0.0.1", port, seed=0)
         loss = _train_save_continue(model_dir, root)
         (out_dir / f"loss-{rank}.json").write_text(json.dumps(loss))
         destroy_parallel()

@@ -21,14 +21,14 @@ from megatron.core import parallel_state
 
 from streamrl.batching.microbatch import plan_step
 from streamrl.learner.context_parallel import gathered_rows, padded_cu_seqlens, shard_microbatch, zigzag_columns
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
-from streamrl.learner.logprobs import microbatch_logprobs
-from streamrl.learner.model import build_gpt_model
+from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.model.gpt import build_gpt_model
+from streamrl.learner.model.logprobs import microbatch_logprobs
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.loss.grpo import policy_loss
 from streamrl.types import MicroBatch
 from tests.learner.grads import complete, grads_by_hf_name, wrap
-from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, free_port, layout, record_errors, run_ranks
 from tests.queue.test_codec import make_group
 
 ARCHS = ("qwen3", "qwen3_moe")
@@ -37,7 +37,7 @@ ARCHS = ("qwen3", "qwen3_moe")
 def _microbatch() -> MicroBatch:
     """One packed row of five sequences of 7, 11, 16, 9 and 13 tokens (prompt 7 + response - 1)."""
     groups = [make_group([1, 5, 10], seed=0), make_group([3, 7], seed=1)]
-    (mb,), = plan_step(groups, 1, 10_000, "token_mean")  # fmt: skip
+    ((mb,),) = plan_step(groups, 1, 10_000, "token_mean")
     return mb
 
 
@@ -76,9 +76,9 @@ def test_shards_cover_every_token_once_with_its_position() -> None:
 
 def test_bad_layouts_are_rejected() -> None:
     with pytest.raises(ValueError, match="context_parallel"):  # checked before any process group is created
-        init_parallel(0, 2, 1, "127.0.0.1", free_port(), TIMEOUT_S, seed=0, context_parallel=3)
+        init_parallel(layout(2, 1, context_parallel=3), 0, "127.0.0.1", free_port(), seed=0)
     with pytest.raises(ValueError, match="context_parallel"):
-        init_parallel(0, 4, 2, "127.0.0.1", free_port(), TIMEOUT_S, seed=0, context_parallel=4)
+        init_parallel(layout(4, 2, context_parallel=4), 0, "127.0.0.1", free_port(), seed=0)
     with pytest.raises(ValueError, match="cu_seqlens"):
         zigzag_columns(np.array([0, 4, 9]), 2, 0)
     with pytest.raises(ValueError, match="cp_rank"):
@@ -96,8 +96,9 @@ def _step(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.
     mb = shard_microbatch(_microbatch(), cp_size, cp_rank)
     logp = microbatch_logprobs(model, mb)
     as_t = lambda array: torch.from_numpy(array).to(logp.device)  # the model may live on a GPU (NCCL ranks)
-    loss, _ = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages),
-                          as_t(mb.loss_weight), 0.2, 2.0)  # fmt: skip
+    loss, _ = policy_loss(
+        logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), as_t(mb.loss_weight), 0.2, 2.0
+    )
     loss.backward()
     norm = complete(training)  # Megatron's DDP completes the gradients, as in the learner
     total = loss.detach().clone()
@@ -124,8 +125,9 @@ def _cp_rank(rank: int, port: int, world: int, layouts: list, ports: list, model
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
         for (tp, cp, ep, archs), layout_port in zip(layouts, [port, *ports], strict=True):
-            init_parallel(rank, world, tp, "127.0.0.1", layout_port, TIMEOUT_S, seed=0, expert_parallel=ep,
-                          context_parallel=cp)  # fmt: skip
+            init_parallel(
+                layout(world, tp, expert_parallel=ep, context_parallel=cp), rank, "127.0.0.1", layout_port, seed=0
+            )
             for arch in archs:
                 torch.save(_step(model_dirs[arch]), out_dir / f"{arch}-tp{tp}-cp{cp}-{rank}.pt")
             destroy_parallel()
@@ -155,8 +157,9 @@ def test_cp2_matches_single_process(model_dirs: dict[str, Path], references: dic
     _check(tmp_path, 2, layouts, references)
 
 
-def test_cp4_and_cp2_tp2_ep2_match_single_process(model_dirs: dict[str, Path], references: dict,
-                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_cp4_and_cp2_tp2_ep2_match_single_process(
+    model_dirs: dict[str, Path], references: dict, tmp_path: Path
+) -> None:
     # CP=4: chunks of every rank's middle too. CP=2 x TP=2 x EP=2: TP pairs {0,1}, {2,3}; CP pairs {0,2}, {1,3}.
     layouts = [(1, 4, 1, ("qwen3",)), (2, 2, 2, ("qwen3_moe",))]
     run_ranks(_cp_rank, 4, (4, layouts, [free_port()], model_dirs), tmp_path, 3 * TIMEOUT_S)

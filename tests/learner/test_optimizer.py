@@ -23,13 +23,13 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from streamrl.config import OptimizerConfig
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
-from streamrl.learner.logprobs import microbatch_logprobs
-from streamrl.learner.model import build_gpt_model
+from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.model.gpt import build_gpt_model
+from streamrl.learner.model.logprobs import microbatch_logprobs
 from streamrl.learner.optimizer import Training, build_training
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.learner.pipeline import run_microbatches
-from tests.learner.ranks import TIMEOUT_S, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, layout, record_errors, run_ranks
 from tests.learner.test_pipeline import _loss, _microbatches
 
 SETTINGS = OptimizerConfig(lr=1e-2, grad_clip=0.5)  # a clip below the tiny model's grad norm (~4): it applies
@@ -59,8 +59,9 @@ def _torch_step(model_dir: Path) -> tuple[float, dict[str, torch.Tensor]]:
     for mb in _microbatches():
         _loss(microbatch_logprobs(model, mb), mb)[0].backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SETTINGS.lr, betas=SETTINGS.betas, eps=SETTINGS.eps,
-                                  weight_decay=SETTINGS.weight_decay)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=SETTINGS.lr, betas=SETTINGS.betas, eps=SETTINGS.eps, weight_decay=SETTINGS.weight_decay
+    )
     optimizer.step()
     return norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -81,7 +82,7 @@ def _assert_close(result: tuple[float, dict], expected: tuple[float, dict]) -> N
 def _dp2_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        init_parallel(rank, 2, 1, "127.0.0.1", port, TIMEOUT_S, seed=0)
+        init_parallel(layout(2, 1), rank, "127.0.0.1", port, seed=0)
         torch.save(_megatron_step(model_dir), out_dir / f"step-{rank}.pt")
         destroy_parallel()
 
@@ -158,8 +159,9 @@ def _loss_and_grads(model_dir: Path, recompute: str, layers: int = 1) -> tuple[f
 
 
 @pytest.mark.parametrize(("recompute", "layers"), [("selective", 1), ("full", 1), ("full", 2)])
-def test_recompute_leaves_gradients_unchanged(tp1_world: None, tiny_model_dir: Path, recompute: str,
-                                              layers: int) -> None:  # fmt: skip
+def test_recompute_leaves_gradients_unchanged(
+    tp1_world: None, tiny_model_dir: Path, recompute: str, layers: int
+) -> None:
     loss, grads, calls = _loss_and_grads(tiny_model_dir, recompute, layers)
     expected_loss, expected, expected_calls = _loss_and_grads(tiny_model_dir, "none")
     assert (expected_calls, calls) == (len(_microbatches()), 2 * len(_microbatches()))  # recomputed in backward

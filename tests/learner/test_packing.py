@@ -17,15 +17,15 @@ import torch
 
 from streamrl.batching.cost import CostModel
 from streamrl.batching.microbatch import plan_rank, plan_step
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
-from streamrl.learner.logprobs import microbatch_logprobs
-from streamrl.learner.model import build_gpt_model
+from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.model.gpt import build_gpt_model
+from streamrl.learner.model.logprobs import microbatch_logprobs
 from streamrl.learner.optimizer import Training
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.loss.grpo import policy_loss
 from streamrl.types import MicroBatch, TrajectoryGroup
 from tests.learner.grads import complete, wrap
-from tests.learner.ranks import TIMEOUT_S, free_port, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, free_port, layout, record_errors, run_ranks
 from tests.queue.test_codec import make_group
 
 BUDGETS = (1, 30, 10_000)  # every sequence alone, a few per row, the whole step in one row
@@ -56,8 +56,9 @@ def _step_grads(training: Training, microbatches: list[MicroBatch]) -> dict[str,
     as_t = lambda array: torch.from_numpy(array).to(device)  # micro-batches are built on the host
     for mb in microbatches:
         logp = microbatch_logprobs(model, mb)
-        loss, _ = policy_loss(logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages),
-                              as_t(mb.loss_weight), 0.2, 2.0)  # fmt: skip
+        loss, _ = policy_loss(
+            logp, logp.detach(), as_t(mb.behaviour_logprobs), as_t(mb.advantages), as_t(mb.loss_weight), 0.2, 2.0
+        )
         loss.backward()
     complete(training)
     return {name: p.main_grad.clone() for name, p in model.module.named_parameters()}
@@ -96,15 +97,15 @@ def _dp2_then_tp2_rank(rank: int, port: int, model_dir: Path, tp2_port: int, out
     """DP=2: save the DP-summed step gradient per budget; then TP=2: save packed log-probs of the whole step."""
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        init_parallel(rank, 2, 1, "127.0.0.1", port, TIMEOUT_S, seed=0)
+        init_parallel(layout(2, 1), rank, "127.0.0.1", port, seed=0)
         training = _training(model_dir)
         for budget in BUDGETS:
             grads = _step_grads(training, plan_rank(_groups(), 2, rank, budget, "token_mean", COST))
             if rank == 0:
                 torch.save({name: grad.cpu() for name, grad in grads.items()}, out_dir / f"dp2-{budget}.pt")
         destroy_parallel()
-        init_parallel(rank, 2, 2, "127.0.0.1", tp2_port, TIMEOUT_S, seed=0)
-        (mb,), = plan_step(_groups(), 1, 10_000, "token_mean")  # fmt: skip
+        init_parallel(layout(2, 2), rank, "127.0.0.1", tp2_port, seed=0)
+        ((mb,),) = plan_step(_groups(), 1, 10_000, "token_mean")
         with torch.no_grad():
             torch.save(microbatch_logprobs(_model(model_dir), mb)[0].cpu(), out_dir / f"tp2-{rank}.pt")
         destroy_parallel()
@@ -118,7 +119,7 @@ def test_dp2_gradient_equals_dp1_and_tp2_packed_logprobs_equal_hf(
     expected = _step_grads(_training(model_dir), plan_step(_groups(), 1, BUDGETS[0], "token_mean", COST)[0])
     for budget in BUDGETS:
         _assert_same(torch.load(tmp_path / f"dp2-{budget}.pt"), expected)
-    (mb,), = plan_step(_groups(), 1, 10_000, "token_mean")  # fmt: skip
+    ((mb,),) = plan_step(_groups(), 1, 10_000, "token_mean")
     reference = _hf_logprobs(model_dir, mb)
     for rank in range(2):
         assert (torch.load(tmp_path / f"tp2-{rank}.pt") - reference).abs().max().item() < 1e-5

@@ -26,8 +26,15 @@ def test_training_flops_are_three_forwards_per_sequence() -> None:
 
 
 def test_moe_flops_count_only_the_active_experts() -> None:
-    dense = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-             "head_dim": 4, "intermediate_size": 100, "vocab_size": 16}  # fmt: skip
+    dense = {
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 4,
+        "intermediate_size": 100,
+        "vocab_size": 16,
+    }
     moe = {**dense, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 5}
     attention = 8 * 4 * (2 + 2 * 2) + 2 * 4 * 8  # q, k, v projections + output projection
     assert flops_cost_model(dense).linear == 2 * (attention + 3 * 8 * 100 + 8 * 16)
@@ -35,10 +42,23 @@ def test_moe_flops_count_only_the_active_experts() -> None:
 
 
 def test_mla_flops_count_latent_projections_shared_experts_and_dense_layers() -> None:
-    mla = {"hidden_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2, "vocab_size": 16,
-           "intermediate_size": 100, "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 3,
-           "qk_rope_head_dim": 2, "v_head_dim": 5, "n_routed_experts": 8, "num_experts_per_tok": 2,
-           "n_shared_experts": 1, "moe_intermediate_size": 7, "first_k_dense_replace": 1}  # fmt: skip
+    mla = {
+        "hidden_size": 8,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "vocab_size": 16,
+        "intermediate_size": 100,
+        "q_lora_rank": 6,
+        "kv_lora_rank": 4,
+        "qk_nope_head_dim": 3,
+        "qk_rope_head_dim": 2,
+        "v_head_dim": 5,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 7,
+        "first_k_dense_replace": 1,
+    }
     q = 8 * 6 + 6 * 2 * (3 + 2)  # down to the q latent, up to every head's nope + rope dims
     kv = 8 * (4 + 2) + 4 * 2 * (3 + 5)  # down to the kv latent + shared rotary key, up to k nope + v per head
     attention = q + kv + 2 * 5 * 8  # + output projection from the v heads
@@ -52,10 +72,23 @@ def test_mla_flops_count_latent_projections_shared_experts_and_dense_layers() ->
 
 def test_deepseek_v3_flops_match_its_published_active_parameters() -> None:
     # DeepSeek-V3's config.json; the paper reports 37B activated parameters per token, embeddings included.
-    config = {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "vocab_size": 129280,
-              "intermediate_size": 18432, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-              "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
-              "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3}  # fmt: skip
+    config = {
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "vocab_size": 129280,
+        "intermediate_size": 18432,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3,
+    }
     active = flops_cost_model(config).linear / 2 + 7168 * 129280  # matmul weights per token + the embedding
     assert 36.5e9 < active < 38e9
 

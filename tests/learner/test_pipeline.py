@@ -18,15 +18,15 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
-from streamrl.learner.logprobs import microbatch_logprobs
-from streamrl.learner.model import build_model_chunks
+from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
+from streamrl.learner.model.gpt import build_model_chunks
+from streamrl.learner.model.logprobs import microbatch_logprobs
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.learner.pipeline import run_microbatches
 from streamrl.models.tiny import write_tiny_model
 from streamrl.types import MicroBatch
 from tests.learner.grads import complete, grads_by_hf_name, wrap
-from tests.learner.ranks import TIMEOUT_S, free_port, next_world_port, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, free_port, layout, next_world_port, record_errors, run_ranks
 
 MICROBATCH_LENGTHS = ((7, 5), (9,), (4, 6, 3), (8,))  # sequences per packed micro-batch (an even count: DP=2)
 
@@ -69,9 +69,13 @@ def _step(model_dir: Path, last_stage_layers: int | None = None, direct: bool = 
         losses = run_microbatches(training.models, microbatches, _loss)
     norm = complete(training, finalize=direct)
     weights = [(name, t.cpu().clone()) for name, t in stream_hf_weights(chunks, hf_config)]  # compared on the host
-    return {"loss": sum(losses) if losses else None, "norm": norm, "weights": weights,
-            "grads": grads_by_hf_name(chunks, hf_config),
-            "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True)}  # fmt: skip
+    return {
+        "loss": sum(losses) if losses else None,
+        "norm": norm,
+        "weights": weights,
+        "grads": grads_by_hf_name(chunks, hf_config),
+        "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +94,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _reference(model_dir: Path) -> dict:
-    init_parallel(0, 1, 1, "127.0.0.1", free_port(), TIMEOUT_S, seed=0)
+    init_parallel(layout(1, 1), 0, "127.0.0.1", free_port(), seed=0)
     try:
         return _step(model_dir, direct=True)
     finally:
@@ -102,8 +106,13 @@ def _layout_rank(rank: int, port: int, world: int, layouts: list, out_dir: Path)
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
         for name, model_dir, tp, pp, virtual, ep, last in layouts:
-            init_parallel(rank, world, tp, "127.0.0.1", port, TIMEOUT_S, seed=0, expert_parallel=ep,
-                          pipeline_parallel=pp, virtual_stages=virtual)  # fmt: skip
+            init_parallel(
+                layout(world, tp, expert_parallel=ep, pipeline_parallel=pp, virtual_stages=virtual),
+                rank,
+                "127.0.0.1",
+                port,
+                seed=0,
+            )
             torch.save(_step(model_dir, last), out_dir / f"{name}-{rank}.pt")
             port = next_world_port(rank)
             destroy_parallel()
@@ -127,8 +136,12 @@ def _check(out_dir: Path, name: str, world: int, reference: dict, hf_state: dict
 
 
 def test_dense_pipeline_layouts_match_single_process(dense_dir: Path, tied_dir: Path, tmp_path: Path) -> None:
-    layouts = [("pp2", dense_dir, 1, 2, 1, 1, None), ("pp2-vpp2", dense_dir, 1, 2, 2, 1, None),
-               ("pp2-last1", dense_dir, 1, 2, 1, 1, 1), ("pp2-tied", tied_dir, 1, 2, 1, 1, None)]  # fmt: skip
+    layouts = [
+        ("pp2", dense_dir, 1, 2, 1, 1, None),
+        ("pp2-vpp2", dense_dir, 1, 2, 2, 1, None),
+        ("pp2-last1", dense_dir, 1, 2, 1, 1, 1),
+        ("pp2-tied", tied_dir, 1, 2, 1, 1, None),
+    ]
     if torch.cuda.is_available():  # two stages cannot interleave on NCCL (init_parallel refuses it)
         layouts = [layout for layout in layouts if layout[0] != "pp2-vpp2"]
     run_ranks(_layout_rank, 2, (2, layouts), tmp_path, 4 * TIMEOUT_S)
@@ -144,6 +157,6 @@ def test_moe_pipeline_with_expert_parallelism_matches_single_process(moe_dir: Pa
 
 def test_layouts_that_do_not_divide_the_world_are_rejected() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel"):
-        init_parallel(0, 2, 1, "127.0.0.1", free_port(), TIMEOUT_S, seed=0, pipeline_parallel=3)
+        init_parallel(layout(2, 1, pipeline_parallel=3), 0, "127.0.0.1", free_port(), seed=0)
     with pytest.raises(ValueError, match="virtual_stages"):
-        init_parallel(0, 1, 1, "127.0.0.1", free_port(), TIMEOUT_S, seed=0, virtual_stages=2)
+        init_parallel(layout(1, 1, virtual_stages=2), 0, "127.0.0.1", free_port(), seed=0)

@@ -23,19 +23,19 @@ from megatron.core import parallel_state
 from streamrl.batching.microbatch import plan_step
 from streamrl.config import LossConfig
 from streamrl.learner.context_parallel import shard_microbatch
-from streamrl.learner.convert import load_hf_checkpoint, load_hf_weights
-from streamrl.learner.logprobs import packed_seq_params
-from streamrl.learner.model import build_gpt_model, build_model_chunks
-from streamrl.learner.moe import num_experts
+from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
+from streamrl.learner.model.gpt import build_gpt_model, build_model_chunks
+from streamrl.learner.model.logprobs import packed_seq_params
+from streamrl.learner.model.moe import num_experts
+from streamrl.learner.model.router_stats import RouterLoad
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.learner.pipeline import run_microbatches
 from streamrl.learner.reference import reference_chunks, reference_logprobs
-from streamrl.learner.router_stats import RouterLoad
 from streamrl.loss.objective import microbatch_objective
 from streamrl.models.tiny import write_tiny_model
 from streamrl.types import MicroBatch
 from tests.learner.grads import complete, grads_by_hf_name, wrap
-from tests.learner.ranks import TIMEOUT_S, free_port, next_world_port, record_errors, run_ranks
+from tests.learner.ranks import TIMEOUT_S, free_port, layout, next_world_port, record_errors, run_ranks
 from tests.queue.test_codec import make_group
 
 # Large coefficients so that the entropy and KL terms weigh on the gradients as much as the policy loss.
@@ -62,7 +62,7 @@ def _full_softmax_logprobs_entropy(model: torch.nn.Module, mb: MicroBatch) -> tu
 
 
 def _reference_step(model_dir: Path, ref_dir: Path) -> dict:
-    init_parallel(0, 1, 1, "127.0.0.1", free_port(), TIMEOUT_S, seed=0)
+    init_parallel(layout(1, 1), 0, "127.0.0.1", free_port(), seed=0)
     try:
         hf_config, hf_state = load_hf_checkpoint(model_dir)
         model, ref_model = build_gpt_model(hf_config), build_gpt_model(hf_config)
@@ -79,8 +79,11 @@ def _reference_step(model_dir: Path, ref_dir: Path) -> dict:
             loss.backward()
             sums += [float(loss.detach()), reg.entropy, reg.kl_ref]
         complete(training)
-        return {"sums": sums, "grads": grads_by_hf_name([model], hf_config),
-                "router": router.metrics() if router else None}  # fmt: skip
+        return {
+            "sums": sums,
+            "grads": grads_by_hf_name([model], hf_config),
+            "router": router.metrics() if router else None,
+        }
     finally:
         destroy_parallel()
 
@@ -104,9 +107,13 @@ def _step(model_dir: Path, ref_dir: Path) -> dict:
 
     # The schedule completes the gradients (Megatron's finalize_model_grads), as in the learner.
     results = run_microbatches(training.models, shards, loss_fn, with_entropy=True)
-    return {"sums": np.sum(results, axis=0) if results else None, "grads": grads_by_hf_name(chunks, hf_config),
-            "router": router.metrics() if router else None, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True)}  # fmt: skip
+    return {
+        "sums": np.sum(results, axis=0) if results else None,
+        "grads": grads_by_hf_name(chunks, hf_config),
+        "router": router.metrics() if router else None,
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+    }
 
 
 def _layout_rank(rank: int, port: int, layouts: list, out_dir: Path) -> None:
@@ -114,8 +121,7 @@ def _layout_rank(rank: int, port: int, layouts: list, out_dir: Path) -> None:
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
         for name, model_dir, ref_dir, tp, pp, cp in layouts:
-            init_parallel(rank, 2, tp, "127.0.0.1", port, TIMEOUT_S, seed=0, pipeline_parallel=pp,
-                          context_parallel=cp)  # fmt: skip
+            init_parallel(layout(2, tp, pipeline_parallel=pp, context_parallel=cp), rank, "127.0.0.1", port, seed=0)
             torch.save(_step(model_dir, ref_dir), out_dir / f"{name}-{rank}.pt")
             port = next_world_port(rank)
             destroy_parallel()
@@ -124,17 +130,23 @@ def _layout_rank(rank: int, port: int, layouts: list, out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """Per arch: the trained model and a different random one as the reference policy."""
-    write = lambda arch, seed, layers: write_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), arch=arch,
-                                                        seed=seed, num_layers=layers)  # fmt: skip
-    return {"qwen3_moe": (write("qwen3_moe", 0, None), write("qwen3_moe", 1, None)),
-            "qwen3": (write("qwen3", 0, None), write("qwen3", 1, None)),
-            # One dense then one MoE layer: at PP=2 the first stage has no router.
-            "deepseek_v3": (write("deepseek_v3", 0, 2), write("deepseek_v3", 1, 2))}  # fmt: skip
+    write = lambda arch, seed, layers: write_tiny_model(
+        tmp_path_factory.mktemp(f"{arch}-{seed}"), arch=arch, seed=seed, num_layers=layers
+    )
+    return {
+        "qwen3_moe": (write("qwen3_moe", 0, None), write("qwen3_moe", 1, None)),
+        "qwen3": (write("qwen3", 0, None), write("qwen3", 1, None)),
+        # One dense then one MoE layer: at PP=2 the first stage has no router.
+        "deepseek_v3": (write("deepseek_v3", 0, 2), write("deepseek_v3", 1, 2)),
+    }
 
 
 def test_regularized_step_matches_single_process(model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
-    layouts = [("moe-tp2", *model_dirs["qwen3_moe"], 2, 1, 1), ("dense-cp2", *model_dirs["qwen3"], 1, 1, 2),
-               ("deepseek-pp2", *model_dirs["deepseek_v3"], 1, 2, 1)]  # fmt: skip
+    layouts = [
+        ("moe-tp2", *model_dirs["qwen3_moe"], 2, 1, 1),
+        ("dense-cp2", *model_dirs["qwen3"], 1, 1, 2),
+        ("deepseek-pp2", *model_dirs["deepseek_v3"], 1, 2, 1),
+    ]
     run_ranks(_layout_rank, 2, (layouts,), tmp_path, 4 * TIMEOUT_S)
     references = {arch: _reference_step(*dirs) for arch, dirs in model_dirs.items()}
     assert references["qwen3"]["sums"][2] > 0.1  # the reference policy is far from the trained one

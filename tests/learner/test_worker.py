@@ -19,14 +19,21 @@ from tests.learner.ranks import free_port
 from tests.queue.test_codec import make_group
 
 
-def test_step_reports_entropy_kl_to_reference_and_router_load(tiny_model_dirs: Callable[[str], Path], redis_server,
-                                                              tmp_path: Path) -> None:  # fmt: skip
+def test_step_reports_entropy_kl_to_reference_and_router_load(
+    tiny_model_dirs: Callable[[str], Path], redis_server, tmp_path: Path
+) -> None:
     from streamrl.learner.worker import LearnerWorker
 
     name = f"test-{uuid.uuid4().hex[:8]}"
-    config = build_config({"model": {"path": str(tiny_model_dirs("qwen3_moe"))},
-                           "run": {"name": name, "dir": str(tmp_path)}, "batching": {"groups_per_step": 2},
-                           "loss": {"kl_coef": 0.1, "entropy_coef": 0.01}, "optimizer": {"lr": 1e-2}})  # fmt: skip
+    config = build_config(
+        {
+            "model": {"path": str(tiny_model_dirs("qwen3_moe"))},
+            "run": {"name": name, "dir": str(tmp_path)},
+            "batching": {"groups_per_step": 2},
+            "loss": {"kl_coef": 0.1, "entropy_coef": 0.01},
+            "optimizer": {"lr": 1e-2},
+        }
+    )
     producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), QueueKeys(name), 16, 10.0)
     producer.push([make_group([3, 5], seed) for seed in range(4)])
     worker = LearnerWorker(config, 0, 1, "127.0.0.1", free_port(), redis_server.url, redis_server.password)

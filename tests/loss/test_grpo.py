@@ -14,8 +14,15 @@ def test_advantages_are_group_normalised() -> None:
 
 def test_gradient_raises_logprob_of_positive_advantage_tokens() -> None:
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), torch.tensor([[1.0, -1.0]]),
-                              torch.tensor([[0.5, 0.5]]), clip_eps=0.2, importance_cap=2.0)  # fmt: skip
+    loss, stats = policy_loss(
+        logp,
+        logp.detach(),
+        logp.detach(),
+        torch.tensor([[1.0, -1.0]]),
+        torch.tensor([[0.5, 0.5]]),
+        clip_eps=0.2,
+        importance_cap=2.0,
+    )
     loss.backward()
     assert logp.grad[0, 0] < 0 < logp.grad[0, 1]  # descent raises token 0, lowers token 1
     assert stats.tokens == 2 and stats.truncated == 0
@@ -24,8 +31,9 @@ def test_gradient_raises_logprob_of_positive_advantage_tokens() -> None:
 def test_importance_weight_is_truncated_at_cap() -> None:
     logp = torch.tensor([[-0.1, -0.1]], requires_grad=True)
     behaviour = torch.tensor([[-5.0, -0.1]])  # token 0 was far less likely under the stale engine
-    loss, stats = policy_loss(logp, logp.detach(), behaviour, torch.ones(1, 2), torch.tensor([[1.0, 1.0]]),
-                              clip_eps=0.2, importance_cap=2.0)  # fmt: skip
+    loss, stats = policy_loss(
+        logp, logp.detach(), behaviour, torch.ones(1, 2), torch.tensor([[1.0, 1.0]]), clip_eps=0.2, importance_cap=2.0
+    )
     loss.backward()
     np.testing.assert_allclose(logp.grad.numpy(), [[-2.0, -1.0]], rtol=1e-6)
     assert stats.truncated == 1 and stats.importance_weight == 3.0
@@ -33,7 +41,14 @@ def test_importance_weight_is_truncated_at_cap() -> None:
 
 def test_padding_and_prompt_positions_do_not_contribute() -> None:
     logp = torch.tensor([[-1.0, -3.0]], requires_grad=True)
-    loss, stats = policy_loss(logp, logp.detach(), torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[1.0, 0.0]]),
-                              clip_eps=0.2, importance_cap=2.0)  # fmt: skip
+    loss, stats = policy_loss(
+        logp,
+        logp.detach(),
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.tensor([[1.0, 0.0]]),
+        clip_eps=0.2,
+        importance_cap=2.0,
+    )
     loss.backward()
     assert logp.grad[0, 1] == 0 and stats.tokens == 1

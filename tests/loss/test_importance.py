@@ -14,9 +14,13 @@ LOG_RATIO = torch.tensor([[math.log(4.0), math.log(0.5), 0.0]])  # pi_old / pi_b
 
 @pytest.mark.parametrize(
     ("variant", "expected", "capped"),
-    [("tis", [2.0, 0.5, 1.0], [True, False, False]), ("mis", [0.0, 0.5, 1.0], [True, False, False]),
-     ("decoupled", [4.0, 0.5, 1.0], [False, False, False]), ("ppo_behaviour", [1.0, 1.0, 1.0], [False] * 3)],
-)  # fmt: skip
+    [
+        ("tis", [2.0, 0.5, 1.0], [True, False, False]),
+        ("mis", [0.0, 0.5, 1.0], [True, False, False]),
+        ("decoupled", [4.0, 0.5, 1.0], [False, False, False]),
+        ("ppo_behaviour", [1.0, 1.0, 1.0], [False] * 3),
+    ],
+)
 def test_token_level_variants(variant: str, expected: list[float], capped: list[bool]) -> None:
     weights, over = importance_weights(LOG_RATIO, MASK, variant, cap=2.0, level="token", cu_seqlens=None)
     torch.testing.assert_close(weights, torch.tensor([expected]))

@@ -8,8 +8,10 @@ from streamrl.loss.regularizers import kl_estimate, regularization_loss
 
 def _policies() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return (torch.log_softmax(torch.randn(12, generator=gen, dtype=torch.float64), 0),
-            torch.log_softmax(torch.randn(12, generator=gen, dtype=torch.float64), 0))  # fmt: skip
+    return (
+        torch.log_softmax(torch.randn(12, generator=gen, dtype=torch.float64), 0),
+        torch.log_softmax(torch.randn(12, generator=gen, dtype=torch.float64), 0),
+    )
 
 
 def test_k1_and_k3_are_unbiased_estimates_of_the_kl() -> None:
@@ -41,8 +43,7 @@ def test_terms_are_weighted_like_the_policy_loss_and_counted_on_response_tokens(
     entropy = torch.tensor([[0.7, 1.5, 2.0]], requires_grad=True)
     ref_logp = torch.tensor([[-1.5, -2.0, -9.0]])
     weight = torch.tensor([[0.25, 0.5, 0.0]])  # the last position is a prompt token
-    loss, stats = regularization_loss(logp, weight, entropy, ref_logp, entropy_coef=0.1, kl_coef=0.2,
-                                      kl_estimator="k1")  # fmt: skip
+    loss, stats = regularization_loss(logp, weight, entropy, ref_logp, entropy_coef=0.1, kl_coef=0.2, kl_estimator="k1")
     loss.backward()
     assert float(loss) == pytest.approx(-0.1 * (0.7 * 0.25 + 1.5 * 0.5) + 0.2 * (0.5 * 0.25 + 0.0))
     torch.testing.assert_close(entropy.grad, -0.1 * weight)  # the bonus raises entropy where tokens count

@@ -19,8 +19,9 @@ def test_init_model_cli_writes_loadable_model(tmp_path: Path, arch: str) -> None
     assert model.config.vocab_size == len(tokenizer) == VOCAB_SIZE
     text = "repeat #: 12+3=15"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text  # one token per character
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits

@@ -20,8 +20,9 @@ def fixed_sample(config: Config) -> tuple[list[int], list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "repeat #"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "repeat #"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return prompt, tokenizer.encode("##a#*#", add_special_tokens=False) + [tokenizer.eos_token_id]
 
 

@@ -9,18 +9,23 @@ import pytest
 import ray
 
 from streamrl.orchestrate.cluster import Cluster
-from streamrl.orchestrate.train import prepare_run, publish_weights
+from streamrl.orchestrate.driver import prepare_run
 from tests.orchestrate.parity import assert_logprob_parity, tiny_config
 
 
 @pytest.mark.slow
 def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) -> None:
-    config = tiny_config(tmp_path, "rollout.engines=2", "wandb.mode=disabled", "train.publish_timeout_s=30",
-                         "train.publish_bucket_bytes=1024")  # one bucket per tensor: the failure hits mid-version
+    config = tiny_config(
+        tmp_path,
+        "rollout.engines=2",
+        "wandb.mode=disabled",
+        "train.publish_timeout_s=30",
+        "train.publish_bucket_bytes=1024",
+    )  # one bucket per tensor: the failure hits mid-version
     prepare_run(config)
     with Cluster(config) as cluster:
         cluster.learner_step(1)
-        publish_weights(cluster, 1)
+        cluster.publisher.publish(1)
         cluster.learner_step(2)
         victim = cluster.engines[1]
         # Killed while still a member of the weight group: the publish starts, the broadcast to it fails,
@@ -28,7 +33,7 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
         # model's publish can finish before the kill lands.)
         ray.kill(victim)
         start = time.monotonic()
-        metrics = publish_weights(cluster, 2)
+        metrics = cluster.publisher.publish(2)
         elapsed = time.monotonic() - start
         print(f"publish with a killed engine took {elapsed:.1f}s: {metrics}")
         assert cluster.engines_restarted == 1 and cluster.engines[1] is not victim

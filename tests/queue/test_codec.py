@@ -17,10 +17,15 @@ LIMIT = 1 << 20
 def make_group(lengths: list[int], seed: int = 0) -> TrajectoryGroup:
     rng = np.random.default_rng(seed)
     trajs = tuple(
-        Trajectory(rng.integers(0, 64, n).astype(np.int32), -rng.random(n).astype(np.float32),
-                   rng.integers(0, 5, n).astype(np.int32), float(rng.random()), "stop")
+        Trajectory(
+            rng.integers(0, 64, n).astype(np.int32),
+            -rng.random(n).astype(np.float32),
+            rng.integers(0, 5, n).astype(np.int32),
+            float(rng.random()),
+            "stop",
+        )
         for n in lengths
-    )  # fmt: skip
+    )
     return TrajectoryGroup.from_responses(f"g{seed}", "engine-0", rng.integers(0, 64, 7).astype(np.int32), trajs)
 
 
@@ -39,13 +44,23 @@ def test_round_trip_is_exact() -> None:
         assert got.base is blob and got.flags.aligned and not got.flags.writeable
 
 
-def _entry(magic: bytes = b"SRL", version: int = SCHEMA_VERSION, header_size: int | None = None,
-           tail: bytes = b"", **changes: object) -> bytes:  # fmt: skip
+def _entry(
+    magic: bytes = b"SRL",
+    version: int = SCHEMA_VERSION,
+    header_size: int | None = None,
+    tail: bytes = b"",
+    **changes: object,
+) -> bytes:
     """The layout written out by hand (a second statement of the spec), with fields of the header changed."""
     lens, tokens = [4, 2], 6
-    header = {"gid": "g0", "eng": "e", "prompt": np.arange(3, dtype="<i4").tobytes(),
-              "lens": np.array(lens, "<i4").tobytes(), "rew": np.zeros(2, "<f4").tobytes(),
-              "fin": ["stop", "length"]}  # fmt: skip
+    header = {
+        "gid": "g0",
+        "eng": "e",
+        "prompt": np.arange(3, dtype="<i4").tobytes(),
+        "lens": np.array(lens, "<i4").tobytes(),
+        "rew": np.zeros(2, "<f4").tobytes(),
+        "fin": ["stop", "length"],
+    }
     packed = msgpack.packb({**header, **changes})
     size = len(packed) if header_size is None else header_size
     padding = b"\0" * (-(8 + len(packed)) % 8)

@@ -46,8 +46,9 @@ def test_groups_of_a_killed_consumer_are_reclaimed_exactly_once(redis_server, qu
         doomed.join(timeout=10)
     assert doomed.exitcode == -signal.SIGKILL
 
-    survivor = TrajectoryConsumer(connect(redis_server.url, redis_server.password), queue_keys, "survivor",
-                                  RECLAIM_IDLE_MS, 1 << 20)  # fmt: skip
+    survivor = TrajectoryConsumer(
+        connect(redis_server.url, redis_server.password), queue_keys, "survivor", RECLAIM_IDLE_MS, 1 << 20
+    )
     pending = survivor.client.xpending(queue_keys.stream, CONSUMER_GROUP)
     # Its commit read two reads' worth ahead (8 entries); the second read took 4 of them: all 8 are pending.
     assert pending["pending"] == 2 * BATCH and pending["consumers"][0]["name"] == b"doomed"

@@ -40,8 +40,13 @@ def test_sigkill_and_restart_lose_nothing_and_train_nothing_twice(tmp_path) -> N
     keys = QueueKeys("crash")
     producer = TrajectoryProducer(connect(server.url, server.password, reconnect_timeout_s=15), keys, 10_000, 20)
     # Short reclaim: a read whose reply died with the server leaves entries pending under this consumer.
-    consumer = TrajectoryConsumer(connect(server.url, server.password, reconnect_timeout_s=15), keys, "learner-0",
-                                  reclaim_idle_ms=300, max_entry_bytes=1 << 20)  # fmt: skip
+    consumer = TrajectoryConsumer(
+        connect(server.url, server.password, reconnect_timeout_s=15),
+        keys,
+        "learner-0",
+        reclaim_idle_ms=300,
+        max_entry_bytes=1 << 20,
+    )
     pushed: list[str] = []
     trained: list[str] = []  # every group id a "step" used, in order
     errors: list[BaseException] = []

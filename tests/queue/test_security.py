@@ -70,6 +70,10 @@ def test_a_rediss_url_gives_a_tls_client_with_the_url_tls_options(tmp_path) -> N
 def test_a_rediss_client_speaks_tls_and_never_falls_back_to_plain_tcp(redis_server) -> None:
     # The plain server reads the ClientHello as a (bad) inline command: the handshake times out or fails.
     with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
-        connect(f"rediss://127.0.0.1:{redis_server.port}/0?ssl_cert_reqs=none", redis_server.password,
-                timeout_s=0.5, reconnect_timeout_s=0)  # fmt: skip
+        connect(
+            f"rediss://127.0.0.1:{redis_server.port}/0?ssl_cert_reqs=none",
+            redis_server.password,
+            timeout_s=0.5,
+            reconnect_timeout_s=0,
+        )
     assert connect(f"redis://127.0.0.1:{redis_server.port}/0", redis_server.password).ping()  # same server, no TLS

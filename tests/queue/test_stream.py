@@ -219,9 +219,12 @@ def test_producers_racing_for_a_crowded_backlog_send_no_refused_payload(redis_se
     records = [_record_appends(producer) for producer in producers]
     rounds = []
     for round_ in range(3):
-        threads = [threading.Thread(target=producer.push,
-                                    args=([make_group([1], seed=1000 * round_ + 100 * p + i) for i in range(4)],))
-                   for p, producer in enumerate(producers)]  # fmt: skip
+        threads = [
+            threading.Thread(
+                target=producer.push, args=([make_group([1], seed=1000 * round_ + 100 * p + i) for i in range(4)],)
+            )
+            for p, producer in enumerate(producers)
+        ]
         for thread in threads:
             thread.start()
         delivered = 0
@@ -309,14 +312,14 @@ def test_the_push_markers_stay_a_hash_table(redis_server, queue_keys) -> None:
     assert producer.client.object("encoding", queue_keys.markers) == b"hashtable"
 
 
-def test_a_commit_reads_ahead_and_decodes_the_next_batch_while_in_flight(redis_server, queue_keys,
-                                                                        monkeypatch) -> None:  # fmt: skip
+def test_a_commit_reads_ahead_and_decodes_the_next_batch_while_in_flight(redis_server, queue_keys, monkeypatch) -> None:
     producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
     producer.push([make_group([2], seed=i) for i in range(10)])
     decoded: list[str] = []  # group ids, in the order the consumer decodes them
     decode = stream.decode_group
-    monkeypatch.setattr(stream, "decode_group", lambda data, limit: decoded.append(decode(data, limit).group_id)
-                        or decode(data, limit))  # fmt: skip
+    monkeypatch.setattr(
+        stream, "decode_group", lambda data, limit: decoded.append(decode(data, limit).group_id) or decode(data, limit)
+    )
     batches = [consumer.read(2, 100)]
     reads = _calls(producer.client, "xreadgroup")
     consumer.commit(batches[-1])  # reads two reads' worth ahead: g2..g5

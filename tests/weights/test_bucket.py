@@ -8,8 +8,14 @@ from streamrl.weights.bucket import Layout, ManifestEntry, pack, plan_buckets, u
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:
     torch.manual_seed(0)
-    return [("a", torch.randn(10, 3)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.randn(100)),
-            ("d", torch.randn(2, 2, 2)), ("e", torch.randn(3, 7)), ("f", torch.arange(6).view(2, 3))]  # fmt: skip
+    return [
+        ("a", torch.randn(10, 3)),
+        ("b", torch.randn(5).to(torch.bfloat16)),
+        ("c", torch.randn(100)),
+        ("d", torch.randn(2, 2, 2)),
+        ("e", torch.randn(3, 7)),
+        ("f", torch.arange(6).view(2, 3)),
+    ]
 
 
 def test_plan_respects_budget_and_order() -> None:

@@ -144,10 +144,15 @@ def _fresh_processed(model: _Fused, tensors: Named) -> None:
 
 @pytest.mark.parametrize(
     ("load", "reason"),
-    [(_scaled, "computed"), (_added, "add_"), (_scratch_left_behind, "never reached"), (_read_on_the_host, "item"),
-     (_fresh_processed, "processes loaded values (mul_)")],
+    [
+        (_scaled, "computed"),
+        (_added, "add_"),
+        (_scratch_left_behind, "never reached"),
+        (_read_on_the_host, "item"),
+        (_fresh_processed, "processes loaded values (mul_)"),
+    ],
     ids=["computed", "in-place", "never-reaches", "item", "processed"],
-)  # fmt: skip
+)
 def test_a_load_a_replay_could_not_repeat_is_refused(load: Callable[[_Fused, Named], None], reason: str) -> None:
     model, tensors = _Fused(), _version(0)
     plan, refusal = CopyPlan.record(lambda: load(model, tensors), tensors, model.parameters())
@@ -175,8 +180,12 @@ def test_a_replay_that_changes_what_the_load_wrote_is_dropped_and_the_load_redon
             fresh.norm.data.mul_(2.0)
 
     finished = []
-    plan, reason = CopyPlan.record_checked(lambda: _two_hop_load(model, tensors, hidden), tensors,
-                                           list(model.parameters()), finish=lambda: finished.append(True))  # fmt: skip
+    plan, reason = CopyPlan.record_checked(
+        lambda: _two_hop_load(model, tensors, hidden),
+        tensors,
+        list(model.parameters()),
+        finish=lambda: finished.append(True),
+    )
     assert plan is None and "changed weights" in reason
     assert len(finished) == 3  # after the recorded load, the replay and the load run again
     _two_hop_load(reference, tensors, hidden)  # the model holds what the load gives

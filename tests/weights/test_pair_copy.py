@@ -15,19 +15,30 @@ def _pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     kernel must leave to foreach: a strided view, a dtype-converting copy, an odd byte length."""
     generator = torch.Generator(device=device).manual_seed(0)
     staging = torch.randn(BLOCK * 8 + 4096, generator=generator, device=device)
-    sources = [staging[: BLOCK * 6].view(torch.bfloat16).view(-1, 64), staging[BLOCK * 6 : BLOCK * 6 + 128],
-               staging[:0], staging[BLOCK * 7 : BLOCK * 7 + 512].view(32, 16).t(),
-               staging[BLOCK * 8 : BLOCK * 8 + 64], staging[BLOCK * 8 + 64 : BLOCK * 8 + 71]]  # fmt: skip
-    destinations = [torch.zeros_like(sources[0]), torch.zeros(128, device=device), torch.zeros(0, device=device),
-                    torch.zeros(16, 32, device=device), torch.zeros(64, dtype=torch.float64, device=device),
-                    torch.zeros(7, device=device)]  # fmt: skip
+    sources = [
+        staging[: BLOCK * 6].view(torch.bfloat16).view(-1, 64),
+        staging[BLOCK * 6 : BLOCK * 6 + 128],
+        staging[:0],
+        staging[BLOCK * 7 : BLOCK * 7 + 512].view(32, 16).t(),
+        staging[BLOCK * 8 : BLOCK * 8 + 64],
+        staging[BLOCK * 8 + 64 : BLOCK * 8 + 71],
+    ]
+    destinations = [
+        torch.zeros_like(sources[0]),
+        torch.zeros(128, device=device),
+        torch.zeros(0, device=device),
+        torch.zeros(16, 32, device=device),
+        torch.zeros(64, dtype=torch.float64, device=device),
+        torch.zeros(7, device=device),
+    ]
     return destinations, sources
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (bf16 views of random float32 bits hold NaNs, which torch.equal never calls equal)."""
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                                              b.contiguous().view(-1).view(torch.uint8))  # fmt: skip
+    return a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
 
 
 def _check_copy_and_swap(device: str) -> None:

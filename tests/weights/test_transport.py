@@ -23,8 +23,10 @@ def _tensors(seed: int, changed: bool = False) -> list[tuple[str, torch.Tensor]]
     """Small float32 tensors (several per bucket), a bf16 one and a large one that travels alone."""
     gen = torch.Generator().manual_seed(seed)
     named = [(f"layer.{i}.weight", torch.randn(64, 32 + i, generator=gen)) for i in range(12)]
-    named += [("norm.weight", torch.randn(96, generator=gen).to(torch.bfloat16)),
-              ("embed.weight", torch.randn(256, 64, generator=gen))]  # fmt: skip
+    named += [
+        ("norm.weight", torch.randn(96, generator=gen).to(torch.bfloat16)),
+        ("embed.weight", torch.randn(256, 64, generator=gen)),
+    ]
     if changed:  # a model whose tensor list no longer matches the plan
         named[3] = (CHANGED, named[3][1].reshape(32, -1))
     return named
@@ -54,8 +56,9 @@ def _member(rank: int, world: int, port: int, device: str, out: str, die_after_j
                 results.append(f"ok {stats.version} {stats.buckets} {stats.bytes} {stats.discovered}")
             else:
                 got_version, got = group.receive()
-                exact = all(n == m and torch.equal(a, b.cpu())
-                            for (n, a), (m, b) in zip(_tensors(seed), got, strict=True))  # fmt: skip
+                exact = all(
+                    n == m and torch.equal(a, b.cpu()) for (n, a), (m, b) in zip(_tensors(seed), got, strict=True)
+                )
                 results.append(f"ok {got_version} {exact} {len(got)}")
         except (RuntimeError, ValueError) as exc:
             results.append(f"error {time.perf_counter() - start:.1f} {exc}")
@@ -107,8 +110,9 @@ def _streaming_member(rank: int, world: int, port: int, device: str, out: str, _
 def _run(world: int, tmp_path: Path, device: str, dead_rank: int | None = None, member=_member) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=member, args=(r, world, port, device, str(tmp_path), r == dead_rank))
-             for r in range(world)]  # fmt: skip
+    procs = [
+        ctx.Process(target=member, args=(r, world, port, device, str(tmp_path), r == dead_rank)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -120,8 +124,9 @@ def _run(world: int, tmp_path: Path, device: str, dead_rank: int | None = None, 
 
 
 @pytest.mark.parametrize(("device", "world"), [("cpu", 3), pytest.param("cuda", 2, marks=pytest.mark.gpu)])
-def test_versions_arrive_whole_and_exact_and_a_changed_model_fails_everywhere(tmp_path: Path, device: str,
-                                                                             world: int) -> None:  # fmt: skip
+def test_versions_arrive_whole_and_exact_and_a_changed_model_fails_everywhere(
+    tmp_path: Path, device: str, world: int
+) -> None:
     if device == "cuda" and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     procs = _run(world, tmp_path, device)

@@ -1,0 +1,184 @@
+"""The step source: where a learner rank gets its share of the next optimizer step.
+
+Contract: every learner rank calls `next_step()` once per step, in the same order. Rank 0 (the only one holding a
+queue consumer) admits groups from the stream in arrival order until the step is complete (`compose.take_step`),
+dropping and counting groups whose oldest token is more than `queue.max_staleness` versions behind (admission), and
+broadcasts their wire bytes to every rank (no pickle between ranks either: docs/DESIGN.md, invariant 5). Every rank
+then plans the whole step deterministically and collates only its own micro-batches (`microbatch.plan_rank`).
+Groups read beyond the step (a token budget can overshoot) are held for the next step; they stay pending in Redis
+until the step that uses them commits. `commit(step)` (rank 0, after every rank has stepped) acks the step's groups
+and records their ids in one script call (invariant 2). Waits are bounded by `queue.wait_timeout_s` (invariant 4).
+
+The broadcast runs on the learner's default process group: its tensors live on `device` (CUDA under NCCL, CPU under
+gloo), since NCCL has no CPU transport.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from streamrl.batching.compose import groups_needed, take_step
+from streamrl.batching.cost import CostModel, cost_model
+from streamrl.batching.microbatch import plan_rank
+from streamrl.config import Config
+from streamrl.queue import (
+    QueueKeys,
+    TrajectoryConsumer,
+    connect_for,
+    decode_group,
+    encode_group,
+    lag_histogram,
+    split_by_staleness,
+)
+from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as one rank sees it."""
+
+    groups: list[TrajectoryGroup]  # every group of the step, in arrival order (the same on every rank)
+    microbatches: list[MicroBatch]  # this rank's micro-batches (its data-parallel share, before CP sharding)
+    admitted: list[ConsumedGroup]  # rank 0: the consumed entries to commit; empty elsewhere
+    wait_s: float  # rank 0: seconds spent waiting for groups
+
+
+class StepSource:
+    def __init__(
+        self,
+        config: Config,
+        consumer: TrajectoryConsumer | None,
+        dp_size: int,
+        dp_rank: int,
+        cost: CostModel,
+        device: torch.device,
+    ):
+        self.config, self.consumer, self.cost, self.device = config, consumer, cost, device
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.dropped_stale = 0  # groups dropped at admission for staleness (rank 0)
+        self._held: list[ConsumedGroup] = []  # read but not yet in a step (rank 0)
+
+    @classmethod
+    def for_rank(
+        cls,
+        config: Config,
+        rank: int,
+        redis_url: str,
+        redis_password: str | None,
+        hf_config: dict[str, Any],
+        device: torch.device,
+    ) -> StepSource:
+        """The step source of learner `rank` (after `init_parallel`): rank 0 reads the queue as consumer
+        "learner-0"; micro-batches are balanced with the cost model of `hf_config`."""
+        from megatron.core import parallel_state as ps
+
+        consumer = None
+        if rank == 0:
+            client = connect_for(config.queue, redis_url, redis_password)
+            consumer = TrajectoryConsumer(
+                client,
+                QueueKeys(config.run.name),
+                "learner-0",
+                config.queue.reclaim_idle_ms,
+                config.queue.max_entry_bytes,
+            )
+        return cls(
+            config,
+            consumer,
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+            cost_model(config.batching, hf_config),
+            device,
+        )
+
+    def next_step(self, learner_version: int) -> Step:
+        """The next step's groups and this rank's micro-batches; `learner_version` drives the staleness rule."""
+        start = time.perf_counter()
+        admitted = self._admit(learner_version) if self.consumer is not None else []
+        wait_s = time.perf_counter() - start
+        groups = self._broadcast(admitted)
+        batching = self.config.batching
+        microbatches = plan_rank(
+            groups,
+            self.dp_size,
+            self.dp_rank,
+            batching.max_tokens_per_microbatch,
+            self.config.loss.normalization,
+            self.cost,
+        )
+        return Step(groups, microbatches, admitted, wait_s)
+
+    def commit(self, step: Step) -> None:
+        """Rank 0, once every rank has applied the step's update: ack its groups and record their ids."""
+        if self.consumer is not None:
+            self.consumer.commit(step.admitted)
+
+    def metrics(self, step: Step, learner_version: int, step_s: float) -> dict[str, Any]:
+        """Rank 0: what a step trained at `learner_version` in `step_s` seconds says about the rollouts (reward,
+        length), the queue (lags, depth, drops) and throughput."""
+        assert self.consumer is not None
+        lags = [learner_version - g.min_version for g in step.groups]
+        lengths = [n for g in step.groups for n in g.lengths]
+        return {
+            "rollout/reward_mean": float(np.mean(np.concatenate([g.rewards for g in step.groups]))),
+            "rollout/response_length_mean": float(np.mean(lengths)),
+            "perf/step_time_s": step_s,
+            "perf/tokens_per_s": sum(g.num_tokens for g in step.groups) / step_s,
+            "queue/policy_lag_mean": sum(lags) / len(lags),
+            "queue/policy_lag_max": float(max(lags)),
+            **lag_histogram(step.groups, learner_version),
+            "queue/depth": self.consumer.backlog(),
+            "queue/dropped_stale": self.dropped_stale,
+            "queue/dead_lettered": self.consumer.dead_lettered,
+            "queue/duplicates_skipped": self.consumer.duplicates_skipped,
+            "queue/wait_s": step.wait_s,
+        }
+
+    def _admit(self, learner_version: int) -> list[ConsumedGroup]:
+        """Rank 0: whole groups in arrival order until the step is complete (bounded wait). Held groups age too, so
+        the staleness rule is re-applied on every pass."""
+        assert self.consumer is not None
+        batching, queue = self.config.batching, self.config.queue
+        deadline = time.monotonic() + queue.wait_timeout_s
+        while True:
+            self._held, stale = split_by_staleness(self._held, learner_version, queue.max_staleness)
+            self.consumer.drop(stale)
+            self.dropped_stale += len(stale)
+            groups = [c.group for c in self._held]
+            # Every data-parallel rank needs at least one sequence.
+            size = take_step(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
+            if size is not None:
+                step, self._held = self._held[:size], self._held[size:]
+                return step
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"learner: {len(groups)} groups ({sum(g.num_tokens for g in groups)} tokens) "
+                    f"after {queue.wait_timeout_s}s, step incomplete"
+                )
+            want = groups_needed(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
+            self._held += self.consumer.read(want, queue.read_block_ms)
+
+    def _broadcast(self, admitted: list[ConsumedGroup]) -> list[TrajectoryGroup]:
+        """Every rank gets the step's groups as wire bytes (rank 0 → all)."""
+        if dist.get_world_size() == 1:
+            return [c.group for c in admitted]
+        sender = self.consumer is not None
+        payload = msgpack.packb([encode_group(c.group) for c in admitted]) if sender else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        if sender:
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        else:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buffer, src=0)
+        if sender:
+            return [c.group for c in admitted]
+        limit = self.config.queue.max_entry_bytes
+        return [decode_group(blob, limit) for blob in msgpack.unpackb(buffer.cpu().numpy().tobytes())]

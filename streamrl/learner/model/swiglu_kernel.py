@@ -1,0 +1,72 @@
+"""The backward of `streamrl.learner.model.fused.swiglu` as one Triton kernel (CUDA only; imported on first GPU use).
+
+Contract: `swiglu_backward(fc1_out [N, 2F], probs [N] float32, grad [N, F])` returns `(d fc1_out [N, 2F] in
+fc1_out's dtype, d probs [N] float32)` of `y = silu(gate) * up * probs[:, None]` (gate|up the two halves of
+fc1_out), computed in float32 from the inputs as stored:
+
+    d gate = grad * probs * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
+    d up   = grad * probs * silu(gate)
+    d probs = sum over the F columns of grad * silu(gate) * up
+
+Why a kernel: each program owns whole rows, so one pass reads fc1_out and grad once and writes both gradients,
+the per-row sum included. Inductor's compiled backward of the same expression is two kernels (the elementwise
+gradients, then the row sums re-reading both inputs) and ran at 1.6 TB/s on the H200 against this one's ~4.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+ROWS_PER_PROGRAM = 8  # with 256 columns per block and 4 warps: the fastest of five shapes timed on an H200
+COLUMNS_PER_BLOCK = 256
+
+
+@triton.jit
+def _backward_kernel(
+    fc1_ptr,
+    probs_ptr,
+    grad_ptr,
+    d_fc1_ptr,
+    d_probs_ptr,
+    rows_total,
+    width: tl.constexpr,
+    block_rows: tl.constexpr,
+    block_cols: tl.constexpr,
+):
+    rows = tl.program_id(0) * block_rows + tl.arange(0, block_rows)
+    row_ok = rows < rows_total
+    rows64 = rows.to(tl.int64)  # N * 2F can pass 2^31 elements
+    probs = tl.load(probs_ptr + rows, mask=row_ok, other=0.0)
+    probs_grad = tl.zeros([block_rows], dtype=tl.float32)
+    for start in tl.static_range(0, width, block_cols):
+        cols = start + tl.arange(0, block_cols)
+        ok = row_ok[:, None] & (cols < width)[None, :]
+        gate_at = rows64[:, None] * (2 * width) + cols[None, :]
+        gate = tl.load(fc1_ptr + gate_at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(fc1_ptr + gate_at + width, mask=ok, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + rows64[:, None] * width + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        sigmoid = tl.sigmoid(gate)
+        silu = gate * sigmoid
+        probs_grad += tl.sum(grad * silu * up, axis=1)
+        scaled = grad * probs[:, None]
+        d_gate = scaled * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))
+        tl.store(d_fc1_ptr + gate_at, d_gate.to(d_fc1_ptr.dtype.element_ty), mask=ok)
+        tl.store(d_fc1_ptr + gate_at + width, (scaled * silu).to(d_fc1_ptr.dtype.element_ty), mask=ok)
+    tl.store(d_probs_ptr + rows, probs_grad, mask=row_ok)
+
+
+def swiglu_backward(fc1_out: Tensor, probs: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """(d fc1_out, d probs) of `silu(gate) * up * probs` (see the module docstring)."""
+    fc1_out, probs, grad = fc1_out.contiguous(), probs.float().contiguous(), grad.contiguous()
+    rows, width = grad.shape
+    d_fc1, d_probs = torch.empty_like(fc1_out), torch.empty_like(probs)
+    if rows:
+        block_cols = min(COLUMNS_PER_BLOCK, triton.next_power_of_2(width))
+        grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
+        _backward_kernel[grid](
+            fc1_out, probs, grad, d_fc1, d_probs, rows, width, ROWS_PER_PROGRAM, block_cols, num_warps=4
+        )
+    return d_fc1, d_probs

@@ -1,0 +1,64 @@
+"""A learner step's statistics, summed over its micro-batches and reduced over the ranks that hold them.
+
+`StepStats.add` accumulates what the last pipeline stage computes per micro-batch (loss, policy-loss and
+regularizer sums over response tokens); `reduce` sums them over the data- and context-parallel ranks (each holds
+the statistics of its own tokens) and then over the pipeline (the last stage's sums reach every stage), on the
+process group's own device (NCCL has no CPU transport); `metrics` turns the sums into per-token means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+import torch
+import torch.distributed as dist
+
+from streamrl.config import LossConfig
+from streamrl.loss import PolicyLossStats, RegularizerStats
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0  # sum of the micro-batches' losses (each already weighted by its share of the step)
+    tokens: float = 0.0  # response tokens
+    clipped: float = 0.0  # tokens whose PPO ratio left the clip range
+    truncated: float = 0.0  # tokens whose importance weight was truncated or masked
+    importance_weight: float = 0.0  # sum of truncated importance weights
+    behaviour_kl: float = 0.0  # sum of k1 estimates of KL(behaviour || learner)
+    entropy: float = 0.0  # sum of next-token entropies (with loss.entropy_coef > 0)
+    kl_ref: float = 0.0  # sum of KL estimates to the reference policy (with loss.kl_coef > 0)
+    flops: float = 0.0  # model FLOPs of the step, counted once per data-parallel replica
+
+    def add(self, loss: float, policy: PolicyLossStats, regularizers: RegularizerStats) -> None:
+        self.loss += loss
+        self.tokens += policy.tokens
+        self.clipped += policy.clipped
+        self.truncated += policy.truncated
+        self.importance_weight += policy.importance_weight
+        self.behaviour_kl += policy.behaviour_kl
+        self.entropy += regularizers.entropy
+        self.kl_ref += regularizers.kl_ref
+
+    def reduce(
+        self, data_and_context: dist.ProcessGroup, pipeline: dist.ProcessGroup, device: torch.device
+    ) -> StepStats:
+        """The sums over every rank of the step (a collective over both groups)."""
+        values = torch.tensor(astuple(self), dtype=torch.float64, device=device)
+        dist.all_reduce(values, group=data_and_context)
+        dist.all_reduce(values, group=pipeline)
+        return StepStats(*values.tolist())
+
+    def metrics(self, loss_config: LossConfig) -> dict[str, float]:
+        per_token = 1.0 / max(self.tokens, 1.0)
+        metrics = {
+            "train/loss": self.loss,
+            "train/clip_fraction": self.clipped * per_token,
+            "train/is_truncated_fraction": self.truncated * per_token,
+            "train/is_weight_mean": self.importance_weight * per_token,
+            "train/behaviour_kl": self.behaviour_kl * per_token,
+        }
+        if loss_config.entropy_coef > 0:
+            metrics["train/entropy"] = self.entropy * per_token
+        if loss_config.kl_coef > 0:
+            metrics["train/kl_ref"] = self.kl_ref * per_token
+        return metrics

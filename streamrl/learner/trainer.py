@@ -1,0 +1,171 @@
+"""The trainer: one learner rank's model chunks, their optimizer, and one optimizer step over its micro-batches.
+
+Contract: built after `init_parallel`, from the HF config and state of `model.path`. `train(microbatches)` runs
+this rank's micro-batches (its data-parallel share; each context-parallel rank runs its zigzag shard of every
+sequence) through Megatron's schedule (`streamrl.learner.pipeline`): forward recomputes log-probs, the last stage
+computes the loss (`streamrl.loss`), backward; Megatron's DDP completes the gradients (summed over data-parallel
+ranks) and its optimizer clips them by the global norm and applies them (`streamrl.learner.optimizer`). It is a
+collective over the whole learner world and returns the step's statistics reduced over every rank. With
+`loss.kl_coef > 0` a frozen copy of the chunks with the initial weights (the reference policy) runs forward-only
+over the micro-batches first; with `loss.entropy_coef > 0` the loss gets each token's entropy from the
+vocabulary-parallel logits. MoE models report router load balance (`streamrl.learner.model.router_stats`).
+`logprobs` scores one sequence under the current weights (parity checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from streamrl.batching import flops_cost_model
+from streamrl.config import Config
+from streamrl.learner.context_parallel import padded_cu_seqlens, shard_microbatch, zigzag_columns
+from streamrl.learner.hf.convert import load_hf_weights
+from streamrl.learner.model.gpt import build_model_chunks
+from streamrl.learner.model.moe import num_experts
+from streamrl.learner.model.router_stats import RouterLoad
+from streamrl.learner.optimizer import build_training
+from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
+from streamrl.learner.pipeline import run_microbatches
+from streamrl.learner.reference import reference_chunks, reference_logprobs
+from streamrl.learner.step_stats import StepStats
+from streamrl.loss import PolicyLossStats, RegularizerStats, microbatch_objective
+from streamrl.types import MicroBatch
+from streamrl.weights import DTYPES
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    stats: StepStats  # the step's sums over every rank
+    grad_norm: float  # global gradient norm before clipping
+    metrics: dict[str, float]  # router balance and performance: phase seconds, TFLOP/s, MFU, peak memory
+
+
+class Trainer:
+    def __init__(self, config: Config, hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor]):
+        self.config, self.hf_config = config, hf_config
+        learner = config.learner
+        self.chunks = build_model_chunks(
+            hf_config,
+            DTYPES[learner.params_dtype],
+            learner.last_stage_layers,
+            learner.recompute,
+            learner.recompute_num_layers,
+        )
+        for chunk in self.chunks:
+            load_hf_weights(chunk, hf_state, hf_config)
+        self.reference_chunks = (
+            reference_chunks(hf_config, hf_state, learner.last_stage_layers) if config.loss.kl_coef > 0 else []
+        )
+        self.router_load = RouterLoad(self.chunks) if num_experts(hf_config) else None
+        self.device = next(self.chunks[0].parameters()).device
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        # Megatron's DDP wrappers (what the schedule runs) and optimizer; self.chunks stay the weights' owners.
+        self.training = build_training(self.chunks, config.optimizer)
+
+    def _microbatch_loss(
+        self,
+        logp: torch.Tensor,
+        mb: MicroBatch,
+        entropy: torch.Tensor | None = None,
+        reference: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[float, PolicyLossStats, RegularizerStats]]:
+        """Last stage: the loss of one micro-batch (`streamrl.loss.objective`) from its per-token log-probs (packed:
+        each sequence attended only to itself), entropies and `reference` log-probs (`reference_logprobs`), and for
+        the metrics its value and statistics."""
+        # Interleaved-schedule fillers (zero weight) have no reference pass: a KL of 0.
+        ref_logp = None if reference is None else reference.get(id(mb), logp.detach())
+        loss, stats, regularizers = microbatch_objective(self.config.loss, logp, mb, entropy, ref_logp)
+        return loss, (float(loss.detach()), stats, regularizers)
+
+    def train(self, microbatches: list[MicroBatch]) -> TrainResult:
+        """One optimizer step over this rank's micro-batches (a collective over the learner world)."""
+        for chunk in self.chunks:
+            chunk.train()
+        self.training.zero_grad()
+        timer = StepTimer(self.device)
+        totals = StepStats()
+        shards = [shard_microbatch(mb, self.cp_size, self.cp_rank) for mb in microbatches]
+        reference = None
+        if self.reference_chunks:
+            with timer.phase("reference_forward"):
+                reference = reference_logprobs(self.reference_chunks, shards)
+        if self.router_load is not None:
+            self.router_load.reset()
+        with timer.phase("forward_backward"):
+            loss_fn = partial(self._microbatch_loss, reference=reference)
+            with_entropy = self.config.loss.entropy_coef > 0
+            # The schedule ends by completing the gradients (Megatron's finalize_model_grads): timed apart.
+            for loss, stats, regularizers in run_microbatches(
+                self.training.models, shards, loss_fn, with_entropy=with_entropy
+            ):
+                totals.add(loss, stats, regularizers)
+        timer.seconds["grad_reduce"] = self.training.grad_reduce_s
+        timer.seconds["forward_backward"] -= self.training.grad_reduce_s
+        with timer.phase("optimizer"):  # clip by the global norm, update (master weights), gather the params
+            grad_norm = self.training.step()
+        # TP peers run the same sequences, CP peers shards of them, and every stage sees every micro-batch: count
+        # the FLOPs once per data-parallel replica, on its last stage (which also holds the loss statistics).
+        if self.last_stage and self.cp_rank == 0:
+            # The reference pass adds one forward to training's three forwards' worth (forward + backward).
+            passes = 4 / 3 if self.reference_chunks else 1.0
+            totals.flops = passes * training_flops(flops_cost_model(self.hf_config), microbatches)
+        totals = totals.reduce(
+            ps.get_data_parallel_group(with_context_parallel=True), ps.get_pipeline_model_parallel_group(), self.device
+        )
+        peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        moe = self.router_load.metrics() if self.router_load is not None else {}
+        return TrainResult(totals, grad_norm, moe | self._perf_metrics(timer, totals.flops, float(peak)))
+
+    def _perf_metrics(self, timer: StepTimer, flops: float, peak_gib: float) -> dict[str, float]:
+        compute_s = sum(timer.seconds.values())
+        per_rank_tflops = flops / max(compute_s, 1e-9) / dist.get_world_size() / 1e12
+        metrics = {f"perf/{name}_s": seconds for name, seconds in timer.seconds.items()}
+        metrics |= {"perf/model_tflops_per_rank": per_rank_tflops, "perf/peak_memory_gib": peak_gib}
+        if self.config.learner.peak_tflops:
+            metrics["perf/mfu"] = per_rank_tflops / self.config.learner.peak_tflops
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return metrics
+
+    def logprobs(self, input_ids: list[int], labels: list[int]) -> list[float]:
+        """Log-prob of each label under the current weights (parity checks); all ranks must call it, and all
+        get the last stage's answer."""
+        n = len(input_ids)
+        weight = np.zeros((1, n), np.float32)
+        mb = MicroBatch(
+            np.array([input_ids], np.int64),
+            np.array([labels], np.int64),
+            np.arange(n)[None],
+            weight,
+            weight,
+            weight,
+            np.array([0, n], np.int32),
+        )
+        shard = shard_microbatch(mb, self.cp_size, self.cp_rank)
+        for chunk in self.chunks:
+            chunk.eval()
+        with torch.no_grad():
+            logp = run_microbatches(self.chunks, [shard], lambda lp, _: (lp.sum(), lp), forward_only=True)
+        local = shard.input_ids.shape[1]
+        out = logp[0][0].contiguous() if logp else torch.empty(local, device=self.device)
+        dist.broadcast(
+            out, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        if self.cp_size == 1:
+            return out.tolist()
+        parts = [torch.empty_like(out) for _ in range(self.cp_size)]
+        dist.all_gather(parts, out, group=ps.get_context_parallel_group())
+        cu_padded = padded_cu_seqlens(mb.cu_seqlens, self.cp_size)
+        row = torch.empty(int(cu_padded[-1]), device=out.device)
+        for rank, part in enumerate(parts):  # each rank's zigzag columns back to sequence order
+            row[torch.from_numpy(zigzag_columns(cu_padded, self.cp_size, rank)).to(out.device)] = part
+        return row[:n].tolist()

@@ -1,0 +1,133 @@
+"""The training job: starts Redis, Ray, the engines and the learner ranks, and drives the loops.
+
+```
+           ┌──────────── Redis (embedded server in the run dir, or queue.url) ─────────────┐
+prompts →  │ engines ──XADD──▶ stream ──XREADGROUP──▶ learner rank 0 ──broadcast──▶ ranks   │
+(torchdata)│   ▲                                   XACK + trained ids after the step       │
+           └───┼───────────────────────────────────────────────────────────────────────────┘
+               └──── weights: HF-named buckets, learner rank 0 ──gloo/NCCL broadcast──▶ engines
+```
+
+| loop              | consumes                    | produces                      | waits for                      |
+|-------------------|-----------------------------|-------------------------------|--------------------------------|
+| engine (`run`)    | prompts, current weights    | groups on the stream          | backlog < queue.max_backlog    |
+| learner (`step`)  | groups_per_step groups      | one optimizer step, acks      | groups (queue.wait_timeout_s)  |
+| driver (here)     | step metrics                | publishes, checkpoints        | steps, publishes (bounded)     |
+
+Staleness: a token sampled under version v is trained at learner version V with
+`V - v <= max_staleness` (older groups are dropped at admission). Engines run version
+`publish_every * floor(V / publish_every)`, so with a backlog of B groups and G groups per step
+the lag of a consumed group is about `publish_every - 1 + B / G` versions.
+
+Checkpoints (`streamrl.learner.checkpoint`): every `checkpoint_every` steps and after the last one. With
+`train.resume`, learner ranks load `run.dir/checkpoints/latest` at start-up; the driver continues from its step
+and publishes the resumed weights before the first step (engines start on model.path's weights, version 0;
+what they sampled meanwhile is stamped 0 and falls under the staleness rule).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.config import Config, save_resolved
+from streamrl.monitor import RunMonitor
+from streamrl.orchestrate.cluster import Cluster
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    summary: str  # the one-line summary printed at exit
+    history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per step
+
+
+def ensure_model(config: Config) -> None:
+    """Write the random tiny model when the config asks for one and the path holds none."""
+    init = config.model.init_if_missing
+    if init is not None and not (config.model.path / "config.json").exists():
+        from streamrl.models import write_tiny_model
+
+        write_tiny_model(config.model.path, init.arch, init.preset, seed=config.run.seed)
+    if not (config.model.path / "config.json").exists():
+        raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
+
+
+def check_model_layout(config: Config) -> None:
+    """The learner's parallel layout against the model's config.json, before any process starts."""
+    from streamrl.learner import check_layout
+
+    hf_config = json.loads((config.model.path / "config.json").read_text())
+    learner = config.learner
+    check_layout(
+        hf_config,
+        learner.tensor_parallel,
+        learner.expert_parallel,
+        learner.pipeline_parallel,
+        learner.virtual_stages,
+        learner.last_stage_layers,
+    )
+
+
+def start_step(cluster: Cluster) -> int:
+    """The step every learner rank resumed from (its checkpoint's step; 0 for a fresh start)."""
+    steps = cluster.get([rank.start_step.remote() for rank in cluster.learners], 60, "learner start step")
+    if len(set(steps)) != 1:
+        raise RuntimeError(f"learner ranks resumed from different steps: {steps}")
+    return steps[0]
+
+
+def save_checkpoint(cluster: Cluster, step: int) -> dict[str, float]:
+    """Every learner rank writes its part of the checkpoint of `step`; returns checkpoint metrics."""
+    start = time.perf_counter()
+    cluster.get(
+        [rank.save_checkpoint.remote(step) for rank in cluster.learners],
+        cluster.config.learner.step_timeout_s,
+        f"checkpoint of step {step}",
+    )
+    return {"perf/checkpoint_s": time.perf_counter() - start}
+
+
+def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> RunResult:
+    """Drive the learner from its resumed step up to `train.steps`, publishing every `publish_every` and
+    checkpointing every `checkpoint_every` steps and after the last one."""
+    first = start_step(cluster)
+    train = config.train
+    monitor = RunMonitor(config, show_progress, first_step=first)
+    try:
+        if first:  # the engines started from model.path's weights: bring them to the resumed ones first
+            logger.info("resumed from the checkpoint of step %d", first)
+            cluster.publisher.publish(first)
+        for step in range(first + 1, train.steps + 1):
+            metrics = cluster.learner_step(step)
+            # A replaced engine (stale weight group) gets the current weights now, not at the next cadence.
+            if step % train.publish_every == 0 or cluster.publisher.stale:
+                metrics.update(cluster.publisher.publish(step))
+            if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == train.steps):
+                metrics.update(save_checkpoint(cluster, step))
+            metrics.update(cluster.engine_stats())
+            monitor.log(step, metrics)
+    finally:
+        summary = monitor.close()
+    return RunResult(summary, monitor.history)
+
+
+def prepare_run(config: Config) -> None:
+    """Create the run directory, save the resolved config, make sure the model exists and fits the layout."""
+    os.environ.setdefault("WANDB_MODE", config.wandb.mode)
+    config.run.dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(config, config.run.dir)
+    ensure_model(config)
+    check_model_layout(config)
+
+
+def train(config: Config, show_progress: bool = True) -> RunResult:
+    """The whole job: prepare the run, start the cluster, run the steps, tear everything down."""
+    prepare_run(config)
+    with Cluster(config) as cluster:
+        return run_steps(cluster, config, show_progress)

@@ -1,0 +1,155 @@
+"""The publisher: one weight version from the learner's ranks to every engine, from gather to the engines' commit.
+
+Two sides, one per process kind:
+- `StagePublisher` lives in each learner rank. The first rank of every pipeline stage is its stage's sender: it
+  opens the stage's `WeightGroup` (rank 0 of it) and sends the HF-named tensors the learner gathers for it, bucket
+  by bucket; the other ranks only drive the gathers they take part in (TP shards, EP experts). With
+  `train.publish_lag` (an ablation knob) it keeps that many past versions and sends the oldest instead.
+- `Publisher` lives in the driver. It forms the weight groups (one per stage; every engine receives from every
+  stage), starts the learner's sends and the engines' receives together, waits for both (bounded by
+  `train.publish_timeout_s`), checks that every engine runs the published version (a version is applied whole or
+  not at all: docs/DESIGN.md, invariant 3) and announces it. A dead engine found by a failed publish is replaced
+  or dropped by the fleet, the groups are formed anew for the survivors and the publish is retried once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from streamrl.config import TrainConfig
+from streamrl.net import free_port
+from streamrl.weights.transport import WeightGroup
+
+logger = logging.getLogger(__name__)
+NamedTensorStream = Iterator[tuple[str, torch.Tensor]]
+
+
+class StagePublisher:
+    """A learner rank's side of publishing; `is_sender` for the first rank of a pipeline stage."""
+
+    def __init__(self, train: TrainConfig, device: str, is_sender: bool):
+        self.train, self.device, self.is_sender = train, device, is_sender
+        self.group: WeightGroup | None = None
+        self._past_versions: deque[tuple[int, list[tuple[str, torch.Tensor]]]] = deque()  # train.publish_lag
+
+    def address(self) -> tuple[str, int]:
+        """A sender: where engines reach its weight-group store (this node's IP, never loopback, and a free port)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def open(self, host: str, port: int, world_size: int, generation: int) -> None:
+        """A sender becomes rank 0 of a new weight group for its stage; a previous one is dropped."""
+        if self.is_sender:
+            self.group = WeightGroup(host, port, 0, world_size, generation, self.train.publish_timeout_s, self.device)
+
+    def publish(self, version: int, named: NamedTensorStream) -> dict[str, float]:
+        """Send `named` (consumed lazily: the gathers run as buckets are packed) as `version`; a sender returns its
+        stage's publish metrics, the other ranks an empty dict."""
+        if self.train.publish_lag:
+            self._past_versions.append((version, [(name, tensor.clone()) for name, tensor in named]))
+            while len(self._past_versions) > self.train.publish_lag + 1:
+                self._past_versions.popleft()
+            version, past = self._past_versions[0]
+            named = iter(past)
+        if not self.is_sender:
+            for _ in named:  # drive the TP / EP gathers this rank takes part in
+                pass
+            return {}
+        if self.group is None:
+            raise RuntimeError("learner: publish before the weight group was opened")
+        stats = self.group.publish(version, named, self.train.publish_bucket_bytes)
+        return {
+            "perf/publish_seconds": stats.seconds,
+            "perf/publish_buckets": stats.buckets,
+            "perf/publish_bytes": stats.bytes,
+            "train/published_version": version,
+        }
+
+
+class Fleet(Protocol):
+    """What the driver's publisher needs of the running job (Ray actor handles and their supervision)."""
+
+    engines: list[Any]  # engine actors: `join_weight_groups`, `receive_weights`
+    learners: list[Any]  # learner-rank actors: `publish`
+    senders: list[Any]  # the learner ranks that send (first of each stage): `weight_group_address`, `open_weights`
+
+    def get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]: ...
+
+    def replace_dead_engines(self) -> bool: ...
+
+    def announce_version(self, version: int) -> None: ...
+
+
+class Publisher:
+    """The driver's side: forms the weight groups and runs each publish to its commit."""
+
+    def __init__(self, fleet: Fleet, train: TrainConfig):
+        self.fleet, self.train = fleet, train
+        self.generation = 0
+        self.stale = True  # the groups must be formed (anew) before the next publish
+
+    def form_groups(self) -> None:
+        """New weight groups, one per pipeline stage: its sender sends to every live engine (collective set-up)."""
+        fleet = self.fleet
+        self.generation += 1
+        addresses = fleet.get([s.weight_group_address.remote() for s in fleet.senders], 60, "weight group address")
+        world = len(fleet.engines) + 1
+        refs = [
+            s.open_weights.remote(host, port, world, self.generation)
+            for s, (host, port) in zip(fleet.senders, addresses, strict=True)
+        ]
+        refs += [
+            e.join_weight_groups.remote(addresses, i + 1, world, self.generation) for i, e in enumerate(fleet.engines)
+        ]
+        fleet.get(refs, self.train.publish_timeout_s, f"weight group {self.generation} set-up")
+        self.stale = False
+
+    def publish(self, version: int) -> dict[str, float]:
+        """Send `version` to every engine and announce it; returns the publish metrics."""
+        import ray
+
+        start = time.perf_counter()
+        fleet = self.fleet
+        for attempt in (1, 2):
+            if self.stale:
+                self.form_groups()
+            receives = [e.receive_weights.remote() for e in fleet.engines]
+            sends = [rank.publish.remote(version) for rank in fleet.learners]
+            try:
+                per_rank = fleet.get(sends, self.train.publish_timeout_s, f"publish of version {version}")
+                running = fleet.get(receives, self.train.publish_timeout_s, f"engines applying {version}")
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                if not fleet.replace_dead_engines() or attempt == 2:
+                    raise RuntimeError(f"publish of version {version} failed and no engine was found dead") from exc
+                logger.warning("publish of version %d hit a dead engine; retrying (%s)", version, exc)
+                self.stale = True
+                continue
+            stats = merge_publish_stats(per_rank)
+            published = int(stats["train/published_version"])  # older than `version` under train.publish_lag
+            if any(v != published for v in running):
+                raise RuntimeError(f"publish of version {published}: engines report versions {running}")
+            fleet.announce_version(published)
+            stats["perf/publish_s"] = time.perf_counter() - start
+            return stats
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+def merge_publish_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One publish's metrics from its stage senders (other ranks report nothing); the stages send at once."""
+    stages = [stats for stats in per_rank if stats]
+    seconds = max(stats["perf/publish_seconds"] for stats in stages)
+    total = sum(stats["perf/publish_bytes"] for stats in stages)
+    return {
+        "perf/publish_gbps": total / max(seconds, 1e-9) / 1e9,
+        "perf/publish_bytes": total,
+        "perf/publish_buckets": sum(stats["perf/publish_buckets"] for stats in stages),
+        "perf/publish_stages": len(stages),
+        "train/published_version": stages[0]["train/published_version"],
+    }
