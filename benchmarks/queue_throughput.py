@@ -47,10 +47,10 @@ import numpy as np
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer  # noqa: E402
 from streamrl.queue.client import connect  # noqa: E402
 from streamrl.queue.codec import decode_group, encode_group  # noqa: E402
 from streamrl.queue.server import EmbeddedRedis  # noqa: E402
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer  # noqa: E402
 from streamrl.types import Trajectory, TrajectoryGroup  # noqa: E402
 
 RESPONSES, PROMPT_TOKENS, BATCH = 8, 256, 8  # BATCH: groups per push round trip and per read

@@ -8,7 +8,7 @@ __all__, __getattr__ = exports(
     {
         "QueueKeys": "stream",
         "TrajectoryProducer": "stream",
-        "TrajectoryConsumer": "stream",
+        "TrajectoryConsumer": "consumer",
         "connect": "client",
         "connect_for": "client",
         "EmbeddedRedis": "server",

@@ -9,6 +9,8 @@ from streamrl.config import TaskConfig
 from streamrl.rewards.math import math_reward
 from streamrl.rewards.symbols import symbols_reward
 
+__all__ = ["RewardFn", "build_reward"]
+
 RewardFn = Callable[[str, str], float]
 
 

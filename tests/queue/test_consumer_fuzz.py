@@ -11,9 +11,10 @@ import uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamrl.queue import QueueKeys, TrajectoryConsumer
 from streamrl.queue.client import connect
 from streamrl.queue.codec import DecodeError, decode_group, encode_group
-from streamrl.queue.stream import CONSUMER_GROUP, QueueKeys, TrajectoryConsumer
+from streamrl.queue.stream import CONSUMER_GROUP
 from tests.queue.test_codec import make_group
 
 ENTRY_LIMIT = 4096

@@ -12,8 +12,9 @@ from collections import Counter
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
+from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from streamrl.queue.client import connect
-from streamrl.queue.stream import CONSUMER_GROUP, QueueKeys, TrajectoryConsumer, TrajectoryProducer
+from streamrl.queue.stream import CONSUMER_GROUP
 from tests.queue.test_codec import make_group
 
 N_GROUPS, BATCH, RECLAIM_IDLE_MS = 12, 4, 300

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from streamrl.queue.client import connect
 from streamrl.queue.server import EmbeddedRedis
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from tests.queue.test_codec import make_group
 
 N_GROUPS = 240

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from streamrl.queue.client import client_for, connect
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from tests.queue.test_codec import make_group
 
 

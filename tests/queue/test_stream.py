@@ -5,10 +5,9 @@ import time
 
 import pytest
 
-from streamrl.queue import stream
+from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer, stream
 from streamrl.queue.client import connect
 from streamrl.queue.codec import encode_group
-from streamrl.queue.stream import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from tests.queue.test_codec import make_group
 
 

@@ -17,6 +17,7 @@ Contract (all conversions are pure reindexing - views, cat, chunk - so a round t
 - `load_hf_weights(model, hf_state, hf_config)` loads this rank's shard into a built model (or into each of its
   pipeline chunks: a chunk's layers are numbered locally from 0, and `stage_names(chunk)` maps them to the
   model-wide layer numbers these conversions use).
+- Names and sharding kinds come from `names.py`.
 - `load_hf_checkpoint(path)` reads `config.json` and every `*.safetensors` file.
 
 Layouts. Megatron fuses q/k/v into `linear_qkv` with rows grouped per query group g:
@@ -55,171 +56,24 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file
 from torch import Tensor
 
-from streamrl.learner.model.gpt import has_qk_layernorm, has_qkv_bias, head_dim, is_expert_parameter, num_query_groups
+from streamrl.learner.hf.names import (
+    COLUMN,
+    GLU,
+    IGNORED_HF,
+    REPLICATED,
+    STACKED_RE,
+    expert_name,
+    hf_sources,
+    megatron_names,
+    part_names,
+    source_name,
+    stage_names,
+    state_tensors,
+)
+from streamrl.learner.model.gpt import head_dim, is_expert_parameter, num_query_groups
 from streamrl.learner.model.layout import check_tensor_and_expert_split
 from streamrl.learner.model.mla import is_mla, rope_interleaved, rope_rows_to_hf, rope_rows_to_megatron
-from streamrl.learner.model.moe import moe_layers, num_experts, shared_expert_size, uses_expert_bias
-
-# Sharding kinds: how a full tensor splits across tensor-parallel ranks.
-REPLICATED, COLUMN, ROW, GLU = "replicated", "column", "row", "glu"
-
-# Megatron per-layer suffix -> (HF per-layer suffixes, kind), in `GPTModel.state_dict()` order. Fused entries
-# list their HF parts in fused order. A layer is: input norm, attention (grouped-query or multi-latent), pre-MLP
-# norm, MLP (dense, or router + experts + shared experts).
-_INPUT_NORM = {"input_layernorm.weight": (("input_layernorm.weight",), REPLICATED)}
-_GQA_MAP: dict[str, tuple[tuple[str, ...], str]] = {
-    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ROW),
-    "self_attention.linear_qkv.weight": (
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        COLUMN,
-    ),
-    "self_attention.linear_qkv.bias": (
-        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-        COLUMN,
-    ),
-    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), REPLICATED),
-    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), REPLICATED),
-}
-_MLA_MAP: dict[str, tuple[tuple[str, ...], str]] = {
-    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ROW),
-    "self_attention.linear_q_proj.weight": (("self_attn.q_proj.weight",), COLUMN),  # q_lora_rank None only
-    "self_attention.linear_q_down_proj.weight": (("self_attn.q_a_proj.weight",), REPLICATED),
-    "self_attention.linear_q_up_proj.weight": (("self_attn.q_b_proj.weight",), COLUMN),
-    "self_attention.linear_kv_down_proj.weight": (("self_attn.kv_a_proj_with_mqa.weight",), REPLICATED),
-    "self_attention.linear_kv_up_proj.weight": (("self_attn.kv_b_proj.weight",), COLUMN),
-    "self_attention.q_layernorm.weight": (("self_attn.q_a_layernorm.weight",), REPLICATED),
-    "self_attention.kv_layernorm.weight": (("self_attn.kv_a_layernorm.weight",), REPLICATED),
-}
-_PRE_MLP_NORM = {"pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), REPLICATED)}
-_DENSE_MLP_MAP: dict[str, tuple[tuple[str, ...], str]] = {
-    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), GLU),
-    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW),
-}
-_ROUTER, _EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"
-_MOE_MAP: dict[str, tuple[tuple[str, ...], str]] = {  # the routed experts are matched by `_EXPERT_RE`
-    _ROUTER: (("mlp.gate.weight",), REPLICATED),
-    _EXPERT_BIAS: (("mlp.gate.e_score_correction_bias",), REPLICATED),  # a buffer (DeepSeek-V3)
-    "mlp.shared_experts.linear_fc1.weight": (
-        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
-        GLU,
-    ),
-    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_experts.down_proj.weight",), ROW),
-}
-_LAYER_MAP = {**_INPUT_NORM, **_GQA_MAP, **_PRE_MLP_NORM, **_DENSE_MLP_MAP, **_MOE_MAP}
-_MLA_LAYER_MAP = {**_INPUT_NORM, **_MLA_MAP, **_PRE_MLP_NORM, **_DENSE_MLP_MAP, **_MOE_MAP}
-_QKV_BIAS = "self_attention.linear_qkv.bias"  # Qwen2 only
-_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")  # Qwen3 only
-_MLA_Q_PLAIN = ("self_attention.linear_q_proj.weight",)  # MLA without a q latent (q_lora_rank None)
-_MLA_Q_LORA = (
-    "self_attention.linear_q_down_proj.weight",
-    "self_attention.linear_q_up_proj.weight",
-    "self_attention.q_layernorm.weight",
-)
-_EXPERT_MAP: dict[str, tuple[str, ...]] = {  # expert weight suffix -> HF per-expert suffixes (fused order)
-    "linear_fc1.weight": ("gate_proj.weight", "up_proj.weight"),
-    "linear_fc2.weight": ("down_proj.weight",),
-}
-_STACKED_RE = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12]\.weight)")  # all experts: [E, out, in]
-_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(.+)")  # one expert (layer-relative suffix): [out, in]
-_GLOBAL_MAP: dict[str, tuple[tuple[str, ...], str]] = {
-    "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), COLUMN),
-    "decoder.final_layernorm.weight": (("model.norm.weight",), REPLICATED),
-    "output_layer.weight": (("lm_head.weight",), COLUMN),
-}
-_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-# Non-parameter entries older HF checkpoints carry; recomputed by the model, so safe to drop.
-_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-def _lookup(name: str, mla: bool) -> tuple[list[str], str]:
-    """HF names (fused order) and sharding kind of the Megatron parameter `name` (of an MLA model if `mla`)."""
-    if name in _GLOBAL_MAP:
-        hf_names, kind = _GLOBAL_MAP[name]
-        return list(hf_names), kind
-    match = _LAYER_RE.fullmatch(name)
-    if match is None:
-        raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
-    prefix, suffix = f"model.layers.{match.group(1)}", match.group(2)
-    expert = _EXPERT_RE.fullmatch(suffix)
-    if expert is not None and expert.group(2) in _EXPERT_MAP:
-        return [f"{prefix}.mlp.experts.{expert.group(1)}.{part}" for part in _EXPERT_MAP[expert.group(2)]], REPLICATED
-    table = _MLA_LAYER_MAP if mla else _LAYER_MAP
-    if suffix not in table:
-        raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
-    hf_suffixes, kind = table[suffix]
-    return [f"{prefix}.{hf_suffix}" for hf_suffix in hf_suffixes], kind
-
-
-def _state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The parameters and persistent buffers (the MoE expert bias) of `model`: its state besides `_extra_state`."""
-    saved = model.state_dict(keep_vars=True).keys()
-    yield from model.named_parameters()
-    yield from ((name, buffer) for name, buffer in model.named_buffers() if name in saved)
-
-
-def stage_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local -> model-wide name of each parameter and persistent buffer of one pipeline chunk (identity without
-    pipeline parallelism).
-
-    Megatron numbers a chunk's layers from 0 in its state dict; each layer knows its model-wide `layer_number`.
-    """
-    numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
-    return {
-        name: _LAYER_RE.sub(lambda m: f"decoder.layers.{numbers[int(m.group(1))]}.{m.group(2)}", name)
-        for name, _ in _state_tensors(model)
-    }
-
-
-def _source(name: str, hf_config: dict[str, Any]) -> str:
-    """The Megatron name whose HF tensors fill `name`: a tied output layer (last stage) is the embedding."""
-    if name == "output_layer.weight" and hf_config.get("tie_word_embeddings", False):
-        return "embedding.word_embeddings.weight"
-    return name
-
-
-def _expert_name(stacked_name: str, expert: int) -> str:
-    """The single-expert name of global expert `expert` of the stacked expert weight `stacked_name`."""
-    match = _STACKED_RE.fullmatch(stacked_name)
-    return f"{match.group(1)}{expert}.{match.group(2)}"
-
-
-def _part_names(name: str, experts: range) -> list[str]:
-    """What the Megatron parameter `name` is built from: the single experts `experts` (global indices) of a stacked
-    expert weight, else `name` itself."""
-    return [_expert_name(name, e) for e in experts] if _STACKED_RE.fullmatch(name) else [name]
-
-
-def _attention_suffixes(hf_config: dict[str, Any]) -> list[str]:
-    """The attention entries of a layer, in `state_dict` order."""
-    if is_mla(hf_config):
-        absent = _MLA_Q_PLAIN if hf_config.get("q_lora_rank") is not None else _MLA_Q_LORA
-        return [suffix for suffix in _MLA_MAP if suffix not in absent]
-    absent = (() if has_qkv_bias(hf_config) else (_QKV_BIAS,)) + (() if has_qk_layernorm(hf_config) else _QK_NORMS)
-    return [suffix for suffix in _GQA_MAP if suffix not in absent]
-
-
-def _mlp_suffixes(hf_config: dict[str, Any], sparse: bool) -> list[str]:
-    """The MLP entries of a dense or MoE (`sparse`) layer, in `state_dict` order (routed experts stacked)."""
-    if not sparse:
-        return list(_DENSE_MLP_MAP)
-    names = [_ROUTER] + ([_EXPERT_BIAS] if uses_expert_bias(hf_config) else [])
-    names += [f"mlp.experts.{suffix}" for suffix in _EXPERT_MAP]
-    if shared_expert_size(hf_config):
-        names += [suffix for suffix in _MOE_MAP if suffix.startswith("mlp.shared_experts.")]
-    return names
-
-
-def megatron_names(hf_config: dict[str, Any]) -> list[str]:
-    """The Megatron state names `build_gpt_model(hf_config)` has (at any TP/EP size), in `state_dict` order,
-    without `_extra_state`."""
-    names = ["embedding.word_embeddings.weight"]
-    for i, sparse in enumerate(moe_layers(hf_config)):
-        suffixes = [*_INPUT_NORM, *_attention_suffixes(hf_config), *_PRE_MLP_NORM, *_mlp_suffixes(hf_config, sparse)]
-        names += [f"decoder.layers.{i}.{suffix}" for suffix in suffixes]
-    names.append("decoder.final_layernorm.weight")
-    if not hf_config.get("tie_word_embeddings", False):
-        names.append("output_layer.weight")
-    return names
+from streamrl.learner.model.moe import num_experts
 
 
 def _rope_rows(name: str, hf_config: dict[str, Any]) -> tuple[int, int] | None:
@@ -242,7 +96,7 @@ def _qkv_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def _fuse(name: str, parts: list[Tensor], hf_config: dict[str, Any]) -> Tensor:
-    """Build the full Megatron tensor `name` from its HF parts (in `_lookup` order)."""
+    """Build the full Megatron tensor `name` from its HF parts (in `hf_sources` order)."""
     if "linear_qkv" in name and len(parts) == 3:
         groups, per_group, dim = _qkv_shape(hf_config)
         q, k, v = parts
@@ -315,20 +169,20 @@ def hf_to_megatron(
     out: dict[str, Tensor] = {}
     for name in megatron_names(hf_config) if names is None else names:
         parts = []  # one tensor, or this EP rank's experts of a stacked expert weight
-        for part_name in _part_names(_source(name, hf_config), own_experts):
-            hf_names, kind = _lookup(part_name, mla)
+        for part_name in part_names(source_name(name, hf_config), own_experts):
+            hf_names, kind = hf_sources(part_name, mla)
             missing = [n for n in hf_names if n not in hf_state]
             if missing:
                 raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {part_name!r}")
             parts.append(_shard(_fuse(part_name, [hf_state[n] for n in hf_names], hf_config), kind, tp_rank, tp_size))
-        out[name] = torch.stack(parts) if _STACKED_RE.fullmatch(name) else parts[0]
+        out[name] = torch.stack(parts) if STACKED_RE.fullmatch(name) else parts[0]
     # Every HF tensor of the model, including the experts other EP ranks load.
     every_expert = range(num_experts(hf_config))
     known = {
-        hf for name in megatron_names(hf_config) for n in _part_names(name, every_expert) for hf in _lookup(n, mla)[0]
+        hf for name in megatron_names(hf_config) for n in part_names(name, every_expert) for hf in hf_sources(n, mla)[0]
     }
     # A tied checkpoint may still store lm_head.weight (a copy of the embedding); the model has no slot for it.
-    leftover = {n for n in hf_state if n not in known and not _IGNORED_HF.fullmatch(n) and not _is_mtp(n, hf_config)}
+    leftover = {n for n in hf_state if n not in known and not IGNORED_HF.fullmatch(n) and not _is_mtp(n, hf_config)}
     if hf_config.get("tie_word_embeddings", False):
         leftover.discard("lm_head.weight")
     if leftover:
@@ -374,10 +228,10 @@ def megatron_to_hf(mcore_state: Mapping[str, Tensor], hf_config: dict[str, Any])
     for name, full in mcore_state.items():
         if name.endswith("_extra_state"):
             continue
-        stacked = _STACKED_RE.fullmatch(name) is not None
-        parts = zip(_part_names(name, range(len(full))), full, strict=True) if stacked else [(name, full)]
+        stacked = STACKED_RE.fullmatch(name) is not None
+        parts = zip(part_names(name, range(len(full))), full, strict=True) if stacked else [(name, full)]
         for part_name, part in parts:
-            hf_names, _ = _lookup(part_name, mla)
+            hf_names, _ = hf_sources(part_name, mla)
             yield from zip(hf_names, _split(part_name, part, hf_config), strict=True)
 
 
@@ -410,7 +264,7 @@ def gather_tp_shards(
     tp_size, ep_size = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
     mla = bool(getattr(model.config, "multi_latent_attention", False))
     model_wide = stage_names(model)
-    for local_name, param in _state_tensors(model):
+    for local_name, param in state_tensors(model):
         if getattr(param, "shared", False):  # the last stage's copy of a tied embedding: the first stage sends it
             continue
         name = model_wide[local_name]
@@ -424,9 +278,9 @@ def gather_tp_shards(
                     parts = [torch.empty_like(expert) for _ in range(ep_size)]
                     dist.all_gather(parts, expert.contiguous(), group=ep_group)
                 for ep_rank, part in enumerate(parts):
-                    yield _expert_name(name, ep_rank * len(local) + row), part
+                    yield expert_name(name, ep_rank * len(local) + row), part
             continue
-        _, kind = _lookup(name, mla)
+        _, kind = hf_sources(name, mla)
         if kind == REPLICATED or tp_size == 1:
             yield name, local
             continue

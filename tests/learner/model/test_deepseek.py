@@ -30,7 +30,7 @@ from streamrl.learner.model.mla import mla_config_fields
 from streamrl.learner.model.moe import moe_config_fields
 from streamrl.models.tiny import write_tiny_model
 from tests.learner.ranks import TIMEOUT_S, run_ranks
-from tests.learner.test_moe import (
+from tests.learner.model.test_moe import (
     _build_and_step,
     _check_layouts,
     _parallel_rank,
