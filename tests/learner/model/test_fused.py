@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamrl.learner import fused
+from streamrl.learner.model import fused
 from streamrl.learner.model.fused_paths import _originals
 
 

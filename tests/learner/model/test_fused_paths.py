@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from streamrl.learner import fused_paths
+from streamrl.learner.model import fused_paths
 from streamrl.learner.model.fused_paths import _originals
 
 
