@@ -29,7 +29,6 @@ from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.mla import mla_config_fields
 from streamrl.learner.model.moe import moe_config_fields
 from streamrl.models.tiny import write_tiny_model
-from tests.learner.ranks import TIMEOUT_S, run_ranks
 from tests.learner.model.test_moe import (
     _build_and_step,
     _check_layouts,
@@ -37,6 +36,7 @@ from tests.learner.model.test_moe import (
     assert_grads_match_hf,
     assert_logprobs_match_hf,
 )
+from tests.learner.ranks import TIMEOUT_S, run_ranks
 
 EXPERTS, ROPE, NOPE = 8, 16, 32  # of the tiny preset
 # No q latent (q_proj), HF's non-interleaved RoPE layout (the converter reorders the rotary rows) and YaRN with a
