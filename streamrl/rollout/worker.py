@@ -5,8 +5,10 @@ Threads of the actor and what they own:
   flight (continuous batching), steps the engine, scores and pushes each finished group, and
   between two steps applies a received weight version (in flight: running requests continue and
   recompute their KV; `rollout.weight_update=drain`: new prompts wait until the engine is empty).
-  When the stream's backlog is at `queue.max_backlog` it holds finished groups and submits no new
-  prompts, but keeps applying weight updates, so backpressure can never deadlock a publish.
+  Finished groups go to the outbox (`outbox.py`), whose thread pushes them: the loop never waits on Redis.
+  While the stream's backlog is at `queue.max_backlog` and the outbox is full, it submits no new prompts
+  but keeps applying weight updates, so backpressure can never deadlock a publish.
+- the outbox's pusher: the only thread that writes to the stream.
 - receivers (`receive_weights()`): block in the weight group until a whole version has arrived,
   hand it to the loop and wait until it is applied. With `rollout.weight_apply=streamed` the receive
   itself runs on the loop (the engine pauses for the transfer) and each bucket is swapped into the
@@ -23,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,9 @@ from streamrl.config import Config
 from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import build_reward
 from streamrl.rollout.engine import Sample
+from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompts import Prompt, PromptSource
-from streamrl.types import TrajectoryGroup
+from streamrl.types import Trajectory, TrajectoryGroup
 from streamrl.weights import WeightGroup, receive_stages
 
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
@@ -59,9 +61,10 @@ class RolloutWorker:
         self.reward = build_reward(config.task)
         self.keys = QueueKeys(config.run.name)
         self.redis = connect_for(config.queue, redis_url, redis_password)
-        self.producer = TrajectoryProducer(self.redis, self.keys, config.queue.max_backlog, config.queue.wait_timeout_s)
+        producer = TrajectoryProducer(self.redis, self.keys, config.queue.max_backlog, config.queue.wait_timeout_s)
+        # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
+        self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
-        self._outbox: list[TrajectoryGroup] = []
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._pending: tuple[int, list[Any], Future[int]] | None = None  # a received version to apply
         self._pending_lock = threading.Lock()
@@ -71,8 +74,7 @@ class RolloutWorker:
         self._loop_running = threading.Event()
         self._stop = threading.Event()
         self.weights: list[WeightGroup] = []  # one group per learner pipeline stage
-        self.groups_pushed = self.tokens_generated = self.versions_applied = 0
-        self.backpressure_s = 0.0
+        self.tokens_generated = self.versions_applied = 0
 
     def ready(self) -> dict[str, Any]:
         """Identity, the version this engine runs and the latest one announced (a restarted engine lags)."""
@@ -94,8 +96,8 @@ class RolloutWorker:
             while not self._stop.is_set():
                 self._run_tasks()
                 self._apply_pending()
-                flushed = self._flush_outbox()
-                if flushed and not self._draining():
+                self.outbox.check()
+                if not self.outbox.full() and not self._draining():
                     self._top_up()
                 if self.engine.has_unfinished():
                     self.engine.step()
@@ -105,7 +107,8 @@ class RolloutWorker:
         finally:
             self._loop_running.clear()
             self._run_tasks()
-        return self.groups_pushed
+            self.outbox.close()
+        return self.outbox.groups_pushed
 
     def stop(self) -> None:
         self._stop.set()
@@ -128,36 +131,22 @@ class RolloutWorker:
     def _collect(self) -> None:
         for request_id, samples in self.engine.pop_finished().items():
             prompt, ids = self._in_flight.pop(request_id)
-            self._outbox.append(self._group(request_id, prompt, ids, samples))
+            group = self._group(request_id, prompt, ids, samples)
+            self.tokens_generated += len(group.response_ids)
+            self.outbox.put(group)
 
     def _group(self, request_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[Sample]) -> TrajectoryGroup:
-        def joined(lists: list[list[Any]], dtype: type) -> np.ndarray:  # straight into one array per field
-            return np.fromiter(chain.from_iterable(lists), dtype, sum(map(len, lists)))
-
-        group = TrajectoryGroup(
-            request_id,
-            self.engine_id,
-            np.asarray(prompt_ids, np.int32),
-            joined([s.token_ids for s in samples], np.int32),
-            joined([s.logprobs for s in samples], np.float32),
-            joined([s.versions for s in samples], np.int32),
-            tuple(len(s.token_ids) for s in samples),
-            np.array([self.reward(s.text, prompt.answer) for s in samples], np.float32),
-            tuple(s.finish_reason if s.finish_reason in ("stop", "length") else "abort" for s in samples),
-        )
-        self.tokens_generated += len(group.response_ids)
-        return group
-
-    def _flush_outbox(self) -> bool:
-        """Push held groups if the stream has room; False while backpressure holds them back."""
-        if not self._outbox:
-            return True
-        accepted = self.producer.try_push(self._outbox)
-        self.groups_pushed += len(accepted)
-        self._outbox = [group for group in self._outbox if group.group_id not in accepted]
-        if self._outbox:
-            self.backpressure_s += _IDLE_S
-        return not self._outbox
+        responses = [
+            Trajectory(
+                np.asarray(s.token_ids, np.int32),
+                np.asarray(s.logprobs, np.float32),
+                np.asarray(s.versions, np.int32),
+                self.reward(s.text, prompt.answer),
+                s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
+            )
+            for s in samples
+        ]
+        return TrajectoryGroup.from_responses(request_id, self.engine_id, np.asarray(prompt_ids), responses)
 
     def _run_tasks(self) -> None:
         while True:
@@ -250,9 +239,9 @@ class RolloutWorker:
 
     def stats(self) -> dict[str, float]:
         return {
-            "rollout/groups_pushed": self.groups_pushed,
+            "rollout/groups_pushed": self.outbox.groups_pushed,
             "rollout/tokens_generated": self.tokens_generated,
-            "rollout/backpressure_s": self.backpressure_s,
+            "rollout/backpressure_s": self.outbox.backpressure_s,
             "rollout/versions_applied": self.versions_applied,
             "rollout/engine_version": self.engine.policy_version,
         }

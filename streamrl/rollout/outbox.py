@@ -1,0 +1,90 @@
+"""The outbox: finished groups on their way to the stream, pushed by a thread of their own.
+
+Contract: the engine's loop `put`s each finished group and never waits on Redis; a pusher thread sends the groups
+waiting (all of them, in one `TrajectoryProducer.push`), which waits, bounded, while the stream's backlog is at
+`queue.max_backlog`. A push that keeps waiting past `queue.wait_timeout_s` (a learner checkpointing or slow) is
+retried with the same groups: backpressure is a normal state, not an error, and a group pushed before is never
+appended twice (the producer's push markers). Any other error (Redis gone for longer than the reconnect window)
+stops the thread, and `check()` raises it on the loop. `backpressure_s` is the time pushes spent waiting for room,
+measured. The outbox holds at most `capacity` groups: the loop submits no new prompts while it is full, so a full
+backlog bounds generation instead of piling groups up in memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from streamrl.queue import TrajectoryProducer
+from streamrl.types import TrajectoryGroup
+
+
+class Outbox:
+    def __init__(self, producer: TrajectoryProducer, capacity: int):
+        self.producer, self.capacity = producer, capacity
+        self.groups_pushed = 0
+        self._waiting: deque[TrajectoryGroup] = deque()  # put, not yet pushed (the pusher takes from the left)
+        self._in_push = 0  # groups in the push running now (they still count against the capacity)
+        self._changed = threading.Condition()  # guards _waiting, _in_push, _error, _closed
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="outbox-pusher", daemon=True)
+        self._thread.start()
+
+    @property
+    def backpressure_s(self) -> float:
+        """Seconds pushes spent waiting for room in the stream, in total."""
+        return self.producer.backpressure_wait_s
+
+    def put(self, group: TrajectoryGroup) -> None:
+        with self._changed:
+            self._waiting.append(group)
+            self._changed.notify_all()
+
+    def held(self) -> int:
+        """Groups put whose push has not completed (a push admits a batch's groups as room frees up, and the batch
+        counts until its last group is in)."""
+        with self._changed:
+            return len(self._waiting) + self._in_push
+
+    def full(self) -> bool:
+        return self.held() >= self.capacity
+
+    def check(self) -> None:
+        """Raise the error that stopped the pusher, if any."""
+        if self._error is not None:
+            raise RuntimeError("rollout: pushing groups to the stream failed") from self._error
+
+    def close(self) -> None:
+        """Stop the pusher after its current push; groups not yet pushed are dropped."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join(timeout=self.producer.wait_timeout_s + 10.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._waiting or self._closed)
+                if self._closed:
+                    return
+                batch = list(self._waiting)
+                self._waiting.clear()
+                self._in_push = len(batch)
+            try:
+                self._push(batch)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the loop by check()
+                self._error = exc
+                return
+            finally:
+                with self._changed:
+                    self._in_push = 0
+            self.groups_pushed += len(batch)
+
+    def _push(self, batch: list[TrajectoryGroup]) -> None:
+        while not self._closed:
+            try:
+                self.producer.push(batch)
+                return
+            except TimeoutError:  # the backlog stayed full: wait on (the push is idempotent)
+                continue
