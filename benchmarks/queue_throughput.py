@@ -9,8 +9,9 @@ tokens) are pushed by 1, 2 and 4 producer processes (spawned once, reused) and c
 in this process, on an embedded server (appendfsync everysec, the default), 512 MB a run. The server runs on a
 core of its own (the first CPU; the producers and the reader share the others), as a production Redis does: on
 the 2-core VM, with all of them sharing both cores, single runs of the raw loop spread over a factor of 2 and the
-scheduler, more than either mode, set the result (`--shared-cores` measures that way). streamrl mode:
-`TrajectoryProducer.push` (encode, the token arrays sent as they are; into a backlog more than half full,
+scheduler, more than either mode, set the result (`--shared-cores` measures that way). streamrl mode: the path
+engines use, groups put one by one into a rollout `Outbox` (capacity 8, as full as an engine keeps it) whose thread
+sends what waits with `TrajectoryProducer.push` (encode, the token arrays sent as they are; into a backlog more than half full,
 claim places first, in the round trip of the wait for the room baton when it was full; then one round
 trip: a MULTI/EXEC transaction per MB of groups, of their XADDs and the admit script, which keeps them
 under the backlog bound and idempotent) and `TrajectoryConsumer.read` + `commit` (XREADGROUP, decode,
@@ -51,6 +52,7 @@ from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer  # 
 from streamrl.queue.client import connect  # noqa: E402
 from streamrl.queue.codec import decode_group, encode_group  # noqa: E402
 from streamrl.queue.server import EmbeddedRedis  # noqa: E402
+from streamrl.rollout.outbox import Outbox  # noqa: E402
 from streamrl.types import Trajectory, TrajectoryGroup  # noqa: E402
 
 RESPONSES, PROMPT_TOKENS, BATCH = 8, 256, 8  # BATCH: groups per push round trip and per read
@@ -89,6 +91,7 @@ def producer_main(url: str, password: str, jobs: Queue, ready: Queue, go: Event)
         mode, prefix, tokens, count, tag, max_backlog = job
         keys, groups = QueueKeys(prefix), make_groups(tokens, count, tag)
         producer = TrajectoryProducer(client, keys, max_backlog=max_backlog, wait_timeout_s=120)
+        outbox = Outbox(producer, capacity=BATCH) if mode != "raw" else None
         payloads = [encode_group(g) for g in groups] if mode == "raw" else []
         ready.put("ready")
         go.wait()
@@ -99,7 +102,15 @@ def producer_main(url: str, password: str, jobs: Queue, ready: Queue, go: Event)
                     pipe.xadd(keys.stream, {"g": payload})
                 pipe.execute()
             else:
-                producer.push(groups[start : start + BATCH])
+                for group in groups[start : start + BATCH]:
+                    while outbox.full():  # as an engine does: no new prompts while its outbox is full
+                        time.sleep(0.0002)
+                    outbox.put(group)
+        if outbox is not None:
+            while outbox.held():
+                time.sleep(0.0002)
+            outbox.check()
+            outbox.close()
         ready.put("done")
 
 
