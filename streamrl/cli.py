@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from streamrl.config import Config, ConfigError, load_config
-from streamrl.models import ARCHS
+from streamrl.models import ARCHS, PRESETS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init-model", help="write a random tiny HF model with a character tokenizer")
     init.add_argument("out", type=Path, help="output directory")
     init.add_argument("--arch", default="qwen3", choices=ARCHS)
-    init.add_argument("--preset", default="tiny", choices=("tiny", "small"))
+    init.add_argument("--preset", default="tiny", choices=tuple(PRESETS))
     init.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -33,7 +33,9 @@ class TinyModelInit(_Section):
     arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3"] = Field(
         "qwen3", description="Architecture of the random model."
     )
-    preset: Literal["tiny", "small"] = Field("tiny", description="Shape preset (streamrl.models.tiny.PRESETS).")
+    preset: Literal["tiny", "small", "medium"] = Field(
+        "tiny", description="Shape preset (streamrl.models.tiny.PRESETS; medium: ~0.2B, for GPUs)."
+    )
 
 
 class ModelConfig(_Section):
@@ -73,6 +75,11 @@ class RolloutConfig(_Section):
         "publish fails). Streamed needs weight_update=inflight and falls back to staged when it cannot stream.",
     )
     restart_dead_engines: bool = Field(True, description="Replace an engine that died; it catches up by itself.")
+    enforce_eager: bool | None = Field(
+        None,
+        description="Run vLLM eagerly (no CUDA graphs). Unset: eager on CPU, CUDA graphs on GPU (in-place weight "
+        "updates reach the captured graphs: the weights keep their storage).",
+    )
 
     @model_validator(mode="after")
     def _streamed_needs_inflight(self) -> RolloutConfig:

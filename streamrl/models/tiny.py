@@ -36,11 +36,22 @@ PRESETS: dict[str, dict[str, int]] = {
         head_dim=32,
         intermediate_size=512,
     ),
+    # ~0.2B parameters (16 layers of width 1024): a GPU-sized model for end-to-end runs (head_dim 64 suits vLLM's
+    # GPU attention kernels; the CPU ones take it too).
+    "medium": dict(
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=3072,
+    ),
 }
 # Expert shapes of the qwen3_moe arch per preset: 8 experts so expert parallelism up to 8 divides them evenly.
 MOE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
     "small": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
+    "medium": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768),
 }
 # DeepSeek-V3's attention and routing per preset (its other shapes come from PRESETS and MOE_PRESETS): 8 experts in
 # 2 groups, of which each token's top-2 come from the 1 best group (HF scores a group by its two best experts, so
@@ -48,6 +59,7 @@ MOE_PRESETS: dict[str, dict[str, int]] = {
 MLA_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
     "small": dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+    "medium": dict(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
 }
 DEEPSEEK_ROUTING = dict(
     n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True

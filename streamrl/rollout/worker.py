@@ -54,6 +54,7 @@ class RolloutWorker:
             kv_cache_bytes=rollout.kv_cache_bytes,
             max_model_len=rollout.max_model_len,
             dtype=rollout.dtype,
+            enforce_eager=config.run.device == "cpu" if rollout.enforce_eager is None else rollout.enforce_eager,
             seed=config.run.seed + engine_index,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
