@@ -36,7 +36,7 @@ def test_step_reports_entropy_kl_to_reference_and_router_load(
     )
     producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), QueueKeys(name), 16, 10.0)
     producer.push([make_group([3, 5], seed) for seed in range(4)])
-    worker = LearnerWorker(config, 0, 1, "127.0.0.1", free_port(), redis_server.url, redis_server.password)
+    worker = LearnerWorker(config, 0, "127.0.0.1", free_port(), redis_server.url, redis_server.password)
     try:
         first, second = worker.step(), worker.step()
     finally:
