@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
-BF16_PARITY_TOL = 0.05  # max |engine - learner| log-prob per token in bf16 (8 bits of mantissa, different kernels)
+BF16_PARITY_TOL = 0.01  # max |engine - learner| log-prob per token in bf16 (measured 0.0006 on H200)
 GPU = ["run.device=cuda", "learner.collective_timeout_s=300"]
 
 

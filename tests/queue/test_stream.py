@@ -6,6 +6,7 @@ import time
 import pytest
 
 from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer, stream
+from streamrl.queue import consumer as consumer_module
 from streamrl.queue.client import connect
 from streamrl.queue.codec import encode_group
 from tests.queue.test_codec import make_group
@@ -315,9 +316,11 @@ def test_a_commit_reads_ahead_and_decodes_the_next_batch_while_in_flight(redis_s
     producer, consumer = _producer(redis_server, queue_keys), _consumer(redis_server, queue_keys, "a")
     producer.push([make_group([2], seed=i) for i in range(10)])
     decoded: list[str] = []  # group ids, in the order the consumer decodes them
-    decode = stream.decode_group
+    decode = consumer_module.decode_group
     monkeypatch.setattr(
-        stream, "decode_group", lambda data, limit: decoded.append(decode(data, limit).group_id) or decode(data, limit)
+        consumer_module,
+        "decode_group",
+        lambda data, limit: decoded.append(decode(data, limit).group_id) or decode(data, limit),
     )
     batches = [consumer.read(2, 100)]
     reads = _calls(producer.client, "xreadgroup")

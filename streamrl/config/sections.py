@@ -1,21 +1,12 @@
-"""Typed run configuration: one YAML file, dotted command-line overrides, validation naming the key.
-
-Every component owns a section; every field carries a description. Unknown keys and bad values
-raise `ConfigError` whose message names the dotted key (`rollout.n: ...`). This module imports no
-torch/vLLM/Megatron so `streamrl --help` and config checks stay fast.
-"""
+"""The config sections: one pydantic model per component, every field described, cross-field checks naming the
+key. Imports no torch/vLLM/Megatron."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the offending key."""
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -344,64 +335,3 @@ class Config(_Section):
             # A CP rank holds only part of each sequence, so it cannot form the sequence's importance ratio alone.
             raise ValueError("loss.importance_level: 'sequence' is not supported with learner.context_parallel > 1")
         return self
-
-
-def _format_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        if err["type"] == "value_error":  # cross-field checks already name their key
-            lines.append(str(err["ctx"]["error"]))
-            continue
-        key = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key")
-        else:
-            lines.append(f"{key}: {err['msg']} (got {err['input']!r})")
-    return "; ".join(lines)
-
-
-def apply_override(tree: dict[str, Any], override: str) -> None:
-    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (so `3`, `true`, `[1,2]` are typed)."""
-    if "=" not in override:
-        raise ConfigError(f"override {override!r}: expected key.sub=value")
-    key, raw = override.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"override {override!r}: empty key segment")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{key}: {part!r} is a value, not a section")
-        node = child
-    node[parts[-1]] = yaml.safe_load(raw)
-
-
-def build_config(tree: dict[str, Any]) -> Config:
-    """Validate a nested dict into a Config; raise ConfigError naming every bad key."""
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
-
-
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config, apply dotted overrides, validate."""
-    text = Path(path).read_text()
-    try:
-        tree = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
-    for override in overrides:
-        apply_override(tree, override)
-    return build_config(tree)
-
-
-def save_resolved(config: Config, run_dir: Path) -> Path:
-    """Write the fully resolved config (defaults filled in) to `run_dir/config.yaml`."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "config.yaml"
-    out.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    return out

@@ -1,0 +1,44 @@
+"""Typed run configuration: one YAML file, dotted command-line overrides, validation naming the key.
+
+Every component owns a section; every field carries a description. Unknown keys and bad values
+raise `ConfigError` whose message names the dotted key (`rollout.n: ...`). This module imports no
+torch/vLLM/Megatron so `streamrl --help` and config checks stay fast.
+"""
+
+from streamrl.config.files import ConfigError, apply_override, build_config, load_config, save_resolved
+from streamrl.config.sections import (
+    BatchingConfig,
+    Config,
+    LearnerConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    QueueConfig,
+    RolloutConfig,
+    RunConfig,
+    TaskConfig,
+    TinyModelInit,
+    TrainConfig,
+    WandbConfig,
+)
+
+__all__ = [
+    "BatchingConfig",
+    "Config",
+    "ConfigError",
+    "LearnerConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "QueueConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TinyModelInit",
+    "TrainConfig",
+    "WandbConfig",
+    "apply_override",
+    "build_config",
+    "load_config",
+    "save_resolved",
+]
