@@ -1,4 +1,4 @@
-"""Small networking helpers shared by the stages that open listening sockets."""
+"""Small networking helpers shared by the stages: free ports for listening sockets, the Ray node a process runs on."""
 
 from __future__ import annotations
 
@@ -10,3 +10,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def ray_node() -> dict[str, str]:
+    """The Ray node this process runs on (inside a Ray worker or driver): its node id and IP address."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}

@@ -8,12 +8,14 @@ torch/vLLM/Megatron so `streamrl --help` and config checks stay fast.
 from streamrl.config.files import ConfigError, apply_override, build_config, load_config, save_resolved
 from streamrl.config.sections import (
     BatchingConfig,
+    ClusterConfig,
     Config,
     LearnerConfig,
     LossConfig,
     ModelConfig,
     OptimizerConfig,
     QueueConfig,
+    RayConfig,
     RolloutConfig,
     RunConfig,
     TaskConfig,
@@ -24,6 +26,7 @@ from streamrl.config.sections import (
 
 __all__ = [
     "BatchingConfig",
+    "ClusterConfig",
     "Config",
     "ConfigError",
     "LearnerConfig",
@@ -31,6 +34,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "QueueConfig",
+    "RayConfig",
     "RolloutConfig",
     "RunConfig",
     "TaskConfig",

@@ -308,6 +308,43 @@ class WandbConfig(_Section):
     project: str = Field("streamrl", description="W&B project.")
 
 
+class RayConfig(_Section):
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join (host:port, ray://host:port or auto); unset: $RAY_ADDRESS, else a local "
+        "Ray instance started by the job.",
+    )
+    object_store_bytes: int = Field(
+        512 << 20, gt=0, description="Object store of the local Ray instance (unused when joining a cluster)."
+    )
+
+
+class ClusterConfig(_Section):
+    nodes: int = Field(
+        1, ge=1, description="Nodes the job spans; > 1 needs a Redis every node reaches and cluster.shared_dir."
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="GPUs of each node: a learner tensor-parallel group must fit one node."
+    )
+    shared_dir: Path | None = Field(
+        None,
+        description="A directory every node mounts at the same path; with nodes > 1 run.dir and model.path must "
+        "lie in it (checkpoints, exports, the model). The job checks at start that every node sees it.",
+    )
+    engine_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Extra Ray resources each engine reserves, e.g. a custom resource that labels rollout nodes.",
+    )
+    learner_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Extra Ray resources each learner rank reserves, e.g. a custom resource that labels training "
+        "nodes. A tensor-parallel group is always placed on one node.",
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="Bound on placing the engines and the learner's groups on the cluster's nodes."
+    )
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig
@@ -320,6 +357,8 @@ class Config(_Section):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -334,4 +373,21 @@ class Config(_Section):
         if self.learner.context_parallel > 1 and self.loss.importance_level == "sequence":
             # A CP rank holds only part of each sequence, so it cannot form the sequence's importance ratio alone.
             raise ValueError("loss.importance_level: 'sequence' is not supported with learner.context_parallel > 1")
+        self._check_nodes()
         return self
+
+    def _check_nodes(self) -> None:
+        cluster, tp = self.cluster, self.learner.tensor_parallel
+        if self.run.device == "cuda" and cluster.gpus_per_node is not None and tp > cluster.gpus_per_node:
+            raise ValueError(
+                f"learner.tensor_parallel: a tensor-parallel group of {tp} ranks must fit one node, and "
+                f"cluster.gpus_per_node is {cluster.gpus_per_node}"
+            )
+        if cluster.nodes == 1:
+            return
+        if cluster.shared_dir is None:
+            raise ValueError("cluster.shared_dir: required with cluster.nodes > 1 (model, checkpoints, exports)")
+        shared = cluster.shared_dir.resolve()
+        for key, path in (("run.dir", self.run.dir), ("model.path", self.model.path)):
+            if not path.resolve().is_relative_to(shared):
+                raise ValueError(f"{key}: {path} is not in cluster.shared_dir {shared}, which every node sees")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from streamrl.learner import checkpoint
 from streamrl.learner.hf.convert import load_hf_checkpoint, stream_hf_weights
 from streamrl.learner.parallel import init_parallel
 from streamrl.learner.trainer import Trainer
+from streamrl.net import ray_node
 from streamrl.weights import DTYPES, StagePublisher
 
 
@@ -49,8 +51,9 @@ class LearnerWorker:
         if config.train.resume and (latest := checkpoint.latest_checkpoint(root)) is not None:
             self.load_checkpoint(str(latest))
 
-    def ready(self) -> int:
-        return self.rank
+    def ready(self) -> dict[str, Any]:
+        """This rank and the node it runs on (the driver records the placement)."""
+        return {"rank": self.rank, **ray_node()}
 
     def step(self) -> dict[str, float]:
         """One optimizer step on the next step's groups (every rank); rank 0 commits them and returns the metrics."""

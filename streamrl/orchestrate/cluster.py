@@ -16,12 +16,13 @@ from Redis, sees it lags, and the next publish carries the learner's weights to 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
 
 from streamrl.config import Config
-from streamrl.net import free_port
+from streamrl.orchestrate.placement import Placement, check_shared_dir
 from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for
 from streamrl.weights import Publisher
 
@@ -39,6 +40,7 @@ class Cluster:
         self.publisher = Publisher(self, config.train)
         self.engines_restarted = 0
         self._started_ray = False
+        self.placement: Placement | None = None
 
     def __enter__(self) -> Cluster:
         try:
@@ -55,42 +57,79 @@ class Cluster:
         from streamrl.rollout import RolloutWorker
 
         config = self.config
-        if config.queue.url is None:
-            self.redis = EmbeddedRedis(config.run.dir / "redis", config.queue.appendfsync).start()
-            self.redis_url, self.redis_password = self.redis.url, self.redis.password
-        else:
-            self.redis_url, self.redis_password = config.queue.url, os.environ.get(config.queue.password_env)
+        self._start_ray()
+        self._start_redis()
         self.redis_client = connect_for(config.queue, self.redis_url, self.redis_password)
-        if not ray.is_initialized():
-            # Actors inherit these: one intra-op thread each, since ranks and engines share the cores.
-            env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": config.wandb.mode}
-            ray.init(
-                include_dashboard=False,
-                log_to_driver=True,
-                runtime_env={"env_vars": env},
-                object_store_memory=512 << 20,
-                configure_logging=False,
-            )
-            self._started_ray = True
-        gpus = 1 if config.run.device == "cuda" else 0
-        self._engine_cls = ray.remote(RolloutWorker).options(num_cpus=0, num_gpus=gpus, max_concurrency=8)
-        learner_cls = ray.remote(LearnerWorker).options(num_cpus=0, num_gpus=gpus)
-        world = config.learner.world_size
-        port = config.learner.master_port or free_port()
+        if config.cluster.nodes > 1:
+            check_shared_dir(config.cluster.shared_dir, config.cluster.placement_timeout_s)
+        self.placement = Placement.reserve(config)
+        self._engine_cls = ray.remote(RolloutWorker)
+        learner_cls = ray.remote(LearnerWorker)
+        host, port = self.placement.rendezvous()
+        port = config.learner.master_port or port
         self.engines = [self._new_engine(i) for i in range(config.rollout.engines)]
         self.learners = [
-            learner_cls.remote(config, r, "127.0.0.1", port, self.redis_url, self.redis_password) for r in range(world)
+            learner_cls.options(**self.placement.learner_options(r)).remote(
+                config, r, host, port, self.redis_url, self.redis_password
+            )
+            for r in range(config.learner.world_size)
         ]
-        self.get([e.ready.remote() for e in self.engines], config.rollout.start_timeout_s, "engine start-up")
-        self.get([r.ready.remote() for r in self.learners], config.learner.step_timeout_s, "learner start-up")
+        engines = self.get([e.ready.remote() for e in self.engines], config.rollout.start_timeout_s, "engine start-up")
+        learners = self.get(
+            [r.ready.remote() for r in self.learners], config.learner.step_timeout_s, "learner start-up"
+        )
+        self._record_placement(engines, learners)
         sending = self.get([r.is_sender.remote() for r in self.learners], 60, "learner roles")
         self.senders = [r for r, sends in zip(self.learners, sending, strict=True) if sends]
         self.announce_version(0)
         self.publisher.form_groups()
         self.engine_loops = [e.run.remote() for e in self.engines]
 
+    def _start_ray(self) -> None:
+        """Join `ray.address` (or $RAY_ADDRESS) without local-only arguments, or start a local Ray instance."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        # Actors inherit these: one intra-op thread each, since ranks and engines share the cores.
+        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": self.config.wandb.mode}
+        common = {"runtime_env": {"env_vars": env}, "log_to_driver": True, "configure_logging": False}
+        address = self.config.ray.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, **common)
+        else:
+            ray.init(include_dashboard=False, object_store_memory=self.config.ray.object_store_bytes, **common)
+        self._started_ray = True
+
+    def _start_redis(self) -> None:
+        """The embedded server (bound to this node's address when other nodes must reach it), or queue.url."""
+        import ray
+
+        config = self.config
+        if config.queue.url is not None:
+            self.redis_url, self.redis_password = config.queue.url, os.environ.get(config.queue.password_env)
+            return
+        host = "127.0.0.1"
+        if config.cluster.nodes > 1:
+            host = ray.util.get_node_ip_address()
+            if host.startswith("127."):
+                raise RuntimeError(
+                    f"queue.url: the embedded Redis would bind {host}, which other nodes cannot reach; set queue.url "
+                    "to a Redis every node reaches"
+                )
+        self.redis = EmbeddedRedis(config.run.dir / "redis", config.queue.appendfsync, host=host).start()
+        self.redis_url, self.redis_password = self.redis.url, self.redis.password
+
+    def _record_placement(self, engines: list[dict[str, Any]], learners: list[dict[str, Any]]) -> None:
+        """Where each actor runs, for operators and tests: RUN_DIR/placement.json."""
+        record = {"engines": engines, "learners": learners}
+        (self.config.run.dir / "placement.json").write_text(json.dumps(record, indent=1))
+
     def _new_engine(self, index: int) -> Any:
-        return self._engine_cls.remote(self.config, index, self.redis_url, self.redis_password)
+        options = self.placement.engine_options(index)
+        return self._engine_cls.options(max_concurrency=8, **options).remote(
+            self.config, index, self.redis_url, self.redis_password
+        )
 
     def get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         """ray.get with a bound; a timeout names `what`."""
@@ -176,6 +215,8 @@ class Cluster:
         for actor in self.engines + self.learners:
             ray.kill(actor)
         self.engines, self.learners = [], []
+        if self.placement is not None:
+            self.placement.remove()
         if self._started_ray:
             ray.shutdown()
         if self.redis is not None:

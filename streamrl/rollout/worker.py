@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.config import Config
+from streamrl.net import ray_node
 from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import build_reward
 from streamrl.rollout.engine import Sample
@@ -81,6 +82,7 @@ class RolloutWorker:
         """Identity, the version this engine runs and the latest one announced (a restarted engine lags)."""
         announced = self.redis.get(self.keys.policy_version)
         return {
+            **ray_node(),
             "engine_id": self.engine_id,
             "version": self.engine.policy_version,
             "announced_version": int(announced) if announced is not None else 0,
