@@ -43,6 +43,10 @@ class TaskConfig(_Section):
     answer_key: str = Field("answer", description="Field of a prompts_file row holding the reference answer.")
     target_length: int = Field(12, gt=0, description="symbols: copies of the symbol that earn the full reward.")
     symbols: str = Field("#*@+", min_length=1, description="symbols: the alphabet a prompt's symbol is drawn from.")
+    long_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="symbols: share of prompts asking for long_factor x target_length copies."
+    )
+    long_factor: int = Field(8, ge=1, description="symbols: how much longer a long prompt's target is.")
 
 
 class RolloutConfig(_Section):
@@ -286,6 +290,11 @@ class BatchingConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(40, ge=1, description="Optimizer steps before the job exits.")
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="async: engines generate continuously while the learner trains; sync: each step's groups are "
+        "generated with the current weights, then trained on, then published (engines idle meanwhile).",
+    )
     publish_every: int = Field(1, ge=1, description="Publish weights to the engines every this many steps.")
     publish_bucket_bytes: int = Field(16 << 20, gt=0, description="Payload bytes per weight bucket.")
     publish_timeout_s: float = Field(120.0, gt=0, description="Bound on one publish reaching every engine.")
@@ -364,10 +373,18 @@ class Config(_Section):
     def _cross_checks(self) -> Config:
         if self.task.name == "math" and self.task.prompts_file is None:
             raise ValueError("task.prompts_file: required when task.name is 'math'")
-        if self.task.name == "symbols" and self.task.target_length > self.rollout.max_tokens:
+        task = self.task
+        if task.name == "symbols" and task.target_length > self.rollout.max_tokens:
             raise ValueError(
-                f"task.target_length: {self.task.target_length} exceeds rollout.max_tokens {self.rollout.max_tokens}"
+                f"task.target_length: {task.target_length} exceeds rollout.max_tokens {self.rollout.max_tokens}"
             )
+        if task.long_fraction > 0 and task.target_length * task.long_factor > self.rollout.max_tokens:
+            raise ValueError(
+                f"task.long_factor: long prompts ask for {task.target_length * task.long_factor} tokens, more than "
+                f"rollout.max_tokens {self.rollout.max_tokens}"
+            )
+        if self.train.mode == "sync":
+            self._check_sync()
         if self.queue.url is not None and not self.queue.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"queue.url: expected redis://, rediss:// or unix://, got {self.queue.url!r}")
         if self.learner.context_parallel > 1 and self.loss.importance_level == "sequence":
@@ -375,6 +392,17 @@ class Config(_Section):
             raise ValueError("loss.importance_level: 'sequence' is not supported with learner.context_parallel > 1")
         self._check_nodes()
         return self
+
+    def _check_sync(self) -> None:
+        if self.train.publish_every != 1:
+            raise ValueError("train.publish_every: sync mode publishes after every step (set it to 1)")
+        if self.batching.tokens_per_step is not None:
+            raise ValueError("batching.tokens_per_step: sync mode generates exactly groups_per_step groups a step")
+        if self.queue.max_backlog < self.batching.groups_per_step:
+            raise ValueError(
+                f"queue.max_backlog: {self.queue.max_backlog} cannot hold one sync step of "
+                f"{self.batching.groups_per_step} groups"
+            )
 
     def _check_nodes(self) -> None:
         cluster, tp = self.cluster, self.learner.tensor_parallel

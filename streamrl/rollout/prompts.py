@@ -77,16 +77,24 @@ class PromptSource(BaseNode[Prompt]):
 
     def next(self) -> Prompt:
         if self.prompts is None:
-            symbol = random.Random(self.seed * 1_000_003 + self.index).choice(self.task.symbols)
-            self.index += 1
-            # The symbol four times: a tiny model finds it in the prompt far sooner than a lone character.
-            return Prompt(f"repeat {symbol * 4}", symbol)
+            return self._symbols_prompt()
         if self.index >= len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._shuffle()
         prompt = self.prompts[self._order[self.index]]
         self.index += 1
         return prompt
+
+    def _symbols_prompt(self) -> Prompt:
+        """The symbol four times (a tiny model finds it in the prompt far sooner than a lone character); a long
+        prompt (`task.long_fraction`) also names its target, which its answer carries after the symbol."""
+        task, rng = self.task, random.Random(self.seed * 1_000_003 + self.index)
+        symbol = rng.choice(task.symbols)
+        self.index += 1
+        if task.long_fraction and rng.random() < task.long_fraction:
+            target = task.target_length * task.long_factor
+            return Prompt(f"repeat {symbol * 4} x{target}", f"{symbol}{target}")
+        return Prompt(f"repeat {symbol * 4}", symbol)
 
     def get_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index}

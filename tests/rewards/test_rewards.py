@@ -14,6 +14,9 @@ def test_symbols_reward_counts_copies_up_to_target() -> None:
     assert reward("########", "#") == 1.0
     with pytest.raises(ValueError, match="one character"):
         reward("x", "##")
+    assert reward("#" * 6, "#12") == 0.5  # a long prompt's answer carries its own target
+    with pytest.raises(ValueError, match="one character"):
+        reward("x", "#0")
 
 
 @pytest.mark.parametrize(

@@ -50,3 +50,14 @@ def test_parquet_prompt_file(tmp_path: Path) -> None:
     pq.write_table(pa.table({"prompt": ["1+1=?", "2+2=?"], "answer": ["2", "4"]}), path)
     source = PromptSource(TaskConfig(name="math", prompts_file=path), seed=0)
     assert sorted(next(source).answer for _ in range(2)) == ["2", "4"]
+
+
+def test_long_tail_symbols_prompts_name_their_target() -> None:
+    task = TaskConfig(long_fraction=0.25, long_factor=8, target_length=12)
+    source = PromptSource(task, seed=1)
+    prompts = [next(source) for _ in range(400)]
+    long = [p for p in prompts if len(p.answer) > 1]
+    assert 0.15 < len(long) / len(prompts) < 0.35
+    assert all(p.answer == p.answer[0] + "96" and p.text.endswith(" x96") for p in long)
+    short = [p for p in prompts if len(p.answer) == 1]
+    assert all(p.text == f"repeat {p.answer * 4}" for p in short)
