@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -12,8 +13,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def ray_node() -> dict[str, str]:
-    """The Ray node this process runs on (inside a Ray worker or driver): its node id and IP address."""
+def ray_node() -> dict[str, Any]:
+    """The Ray node this process runs on (inside a Ray worker or driver): its node id, IP address and the GPUs Ray
+    gave this process (their indices on the node)."""
     import ray
 
-    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "gpus": [int(g) for g in ray.get_gpu_ids()],
+    }

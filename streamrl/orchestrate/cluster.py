@@ -196,6 +196,12 @@ class Cluster:
         )
         return results[0]
 
+    def allow_prompts(self, groups: int) -> None:
+        """Sync mode: the engines generate `groups` more groups between them (split as evenly as can be)."""
+        engines = len(self.engines)
+        shares = [groups // engines + (i < groups % engines) for i in range(engines)]
+        self.get([e.allow_prompts.remote(n) for e, n in zip(self.engines, shares, strict=True)], 30, "prompt budget")
+
     def engine_stats(self) -> dict[str, float]:
         stats = self.get([e.stats.remote() for e in self.engines], 30.0, "engine stats")
         # Counters add up over engines; for versions the laggard is what matters.

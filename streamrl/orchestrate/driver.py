@@ -95,7 +95,8 @@ def save_checkpoint(cluster: Cluster, step: int) -> dict[str, float]:
 
 def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> RunResult:
     """Drive the learner from its resumed step up to `train.steps`, publishing every `publish_every` and
-    checkpointing every `checkpoint_every` steps and after the last one."""
+    checkpointing every `checkpoint_every` steps and after the last one. In sync mode the engines get exactly one
+    step's prompts before each step and none while the learner trains and publishes."""
     first = start_step(cluster)
     train = config.train
     monitor = RunMonitor(config, show_progress, first_step=first)
@@ -104,6 +105,8 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
             logger.info("resumed from the checkpoint of step %d", first)
             cluster.publisher.publish(first)
         for step in range(first + 1, train.steps + 1):
+            if train.mode == "sync":  # this step's groups, all sampled under the weights just published
+                cluster.allow_prompts(config.batching.groups_per_step)
             metrics = cluster.learner_step(step)
             # A replaced engine (stale weight group) gets the current weights now, not at the next cadence.
             if step % train.publish_every == 0 or cluster.publisher.stale:

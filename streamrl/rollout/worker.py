@@ -67,6 +67,9 @@ class RolloutWorker:
         # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
         self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
+        # Sync mode: prompts the driver allowed and not yet submitted (None: unbounded, the async default).
+        self._prompt_budget: int | None = 0 if config.train.mode == "sync" else None
+        self._budget_lock = threading.Lock()
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._pending: tuple[int, list[Any], Future[int]] | None = None  # a received version to apply
         self._pending_lock = threading.Lock()
@@ -119,9 +122,25 @@ class RolloutWorker:
     def _draining(self) -> bool:
         return self._pending is not None and self.config.rollout.weight_update == "drain"
 
+    def allow_prompts(self, count: int) -> None:
+        """Sync mode: let the loop submit `count` more prompts (one group each) under the current weights."""
+        with self._budget_lock:
+            if self._prompt_budget is None:
+                raise RuntimeError(f"{self.engine_id}: allow_prompts is for train.mode 'sync'")
+            self._prompt_budget += count
+
+    def _take_prompt_budget(self) -> bool:
+        with self._budget_lock:
+            if self._prompt_budget is None:
+                return True
+            if self._prompt_budget == 0:
+                return False
+            self._prompt_budget -= 1
+            return True
+
     def _top_up(self) -> None:
         rollout = self.config.rollout
-        while len(self._in_flight) < rollout.prompts_per_batch:
+        while len(self._in_flight) < rollout.prompts_per_batch and self._take_prompt_budget():
             prompt = next(self.prompts)
             message = [{"role": "user", "content": prompt.text}]
             ids = self.tokenizer.apply_chat_template(

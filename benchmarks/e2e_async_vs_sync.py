@@ -1,0 +1,152 @@
+"""End to end: asynchronous streaming against the synchronous loop, the same program on the same GPUs.
+
+Usage: `python benchmarks/e2e_async_vs_sync.py -c CONFIG [--steps 30] [--staleness 1 2 4] [--out PATH]
+[override ...]`. For each arrangement — `train.mode=sync`, then async at each `queue.max_staleness` — it starts the
+job (engines, learner, Redis), then times `--steps` steps from the first step on (start-up excluded), sampling every
+GPU's utilisation with nvidia-smi every 0.5 s, and reports: generated and trained tokens/s, wall time, the GPU busy
+fraction of the engines' and the learner's GPUs, policy lag, publish time, the step time split, stale drops and
+the reward per consumed sample (every step consumes the same number of samples). The async backlog is
+`max(1, staleness - 1)` steps of groups, so the lag of consumed groups stays under the bound.
+
+Prints a table and writes `benchmarks/results/e2e_async_vs_sync.json` (or `--out`). On CPU (no nvidia-smi) the GPU
+columns stay empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from streamrl.config import Config, load_config
+from streamrl.orchestrate.cluster import Cluster
+from streamrl.orchestrate.driver import prepare_run, run_steps
+
+
+class GpuSampler:
+    """nvidia-smi's utilisation of every GPU, sampled every 0.5 s on a thread until stopped."""
+
+    def __init__(self) -> None:
+        self.samples: dict[int, list[float]] = {}
+        self._process: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if shutil.which("nvidia-smi") is None:
+            return
+        command = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "500"]
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            index, utilisation = (part.strip() for part in line.split(","))
+            self.samples.setdefault(int(index), []).append(float(utilisation) / 100)
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+
+    def busy(self, gpus: list[int]) -> float | None:
+        values = [v for g in gpus for v in self.samples.get(g, [])]
+        return statistics.fmean(values) if values else None
+
+
+def arrangement(base: Config, mode: str, staleness: int) -> Config:
+    groups = base.batching.groups_per_step
+    overrides = {"train": {"mode": mode, "checkpoint_every": 0}, "queue": {"max_staleness": staleness}}
+    overrides["queue"]["max_backlog"] = groups * (1 if mode == "sync" else max(1, staleness - 1))
+    overrides["run"] = {"dir": str(base.run.dir / f"{mode}-{staleness}"), "name": f"{base.run.name}-{mode}-{staleness}"}
+    tree = base.model_dump(mode="json")
+    for section, values in overrides.items():
+        tree[section].update(values)
+    return Config.model_validate(tree)
+
+
+def measure(config: Config) -> dict[str, Any]:
+    prepare_run(config)
+    sampler = GpuSampler()
+    with Cluster(config) as cluster:
+        placement = json.loads((config.run.dir / "placement.json").read_text())
+        sampler.start()
+        start = time.perf_counter()
+        result = run_steps(cluster, config, show_progress=False)
+        wall_s = time.perf_counter() - start
+        sampler.stop()
+    history = result.history
+    trained = sum(row["perf/tokens_per_s"] * row["perf/step_time_s"] for row in history)
+
+    def mean(key: str) -> float:
+        return statistics.fmean(row.get(key, 0.0) for row in history)
+
+    rewards = [row["rollout/reward_mean"] for row in history]
+    quarter = max(1, len(rewards) // 4)
+    return {
+        "mode": config.train.mode,
+        "max_staleness": config.queue.max_staleness,
+        "max_backlog": config.queue.max_backlog,
+        "steps": len(history),
+        "wall_s": wall_s,
+        "generated_tokens_per_s": history[-1]["rollout/tokens_generated"] / wall_s,
+        "trained_tokens_per_s": trained / wall_s,
+        "engine_gpu_busy": sampler.busy([g for e in placement["engines"] for g in e["gpus"]]),
+        "learner_gpu_busy": sampler.busy([g for r in placement["learners"] for g in r["gpus"]]),
+        "learner_compute_fraction": sum(
+            row["perf/forward_backward_s"] + row["perf/optimizer_s"] + row.get("perf/grad_reduce_s", 0.0)
+            for row in history
+        )
+        / wall_s,
+        "policy_lag_mean": mean("queue/policy_lag_mean"),
+        "dropped_stale": history[-1]["queue/dropped_stale"],
+        "step_s": mean("perf/step_time_s"),
+        "wait_s": mean("queue/wait_s"),
+        "forward_backward_s": mean("perf/forward_backward_s"),
+        "optimizer_s": mean("perf/optimizer_s"),
+        "publish_s": mean("perf/publish_s"),
+        "reward_per_sample": statistics.fmean(rewards),
+        "reward_last_quarter": statistics.fmean(rewards[-quarter:]),
+        "placement": placement,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_async_vs_sync.json"))
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    base = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
+    runs = [measure(arrangement(base, "sync", 1))]
+    runs += [measure(arrangement(base, "async", s)) for s in args.staleness]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"config": str(args.config), "overrides": args.overrides, "runs": runs}, indent=1))
+    sync = runs[0]["trained_tokens_per_s"]
+    print(
+        "| mode | staleness | wall s | gen tok/s | trained tok/s | vs sync | engine GPU busy | learner GPU busy | "
+        "lag | drops | step s | wait s | fwd+bwd s | publish s | reward/sample |"
+    )
+    print("|" + "---|" * 15)
+    for r in runs:
+        busy = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("engine_gpu_busy", "learner_gpu_busy")]
+        print(
+            f"| {r['mode']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['generated_tokens_per_s']:.0f} | "
+            f"{r['trained_tokens_per_s']:.0f} | {r['trained_tokens_per_s'] / sync:.2f} | {busy[0]} | {busy[1]} | "
+            f"{r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | {r['step_s']:.3f} | {r['wait_s']:.3f} | "
+            f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} |"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
