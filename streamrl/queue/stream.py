@@ -134,7 +134,10 @@ class TrajectoryProducer:
         """Append the groups, waiting (bounded) for room; a group pushed before is not appended again.
 
         Into a crowded backlog it waits until it can claim places for all the groups left (or `max_backlog`, if
-        fewer): one append per push rather than a trickle of partial ones, each with its own round trips.
+        fewer): one append per push rather than a trickle of partial ones, each with its own round trips. So a
+        consumer that needs more groups than the stream holds before it frees room (a learner's step) waits for it
+        forever: a producer that feeds such a consumer pushes what fits (`try_push`) and waits with
+        `wait_for_room`, as the rollout outbox does.
         """
         deadline = time.monotonic() + self.wait_timeout_s
         left = groups
@@ -146,6 +149,15 @@ class TrajectoryProducer:
             else:
                 accepted = set(self._append(left))
             left = [group for group in left if group.group_id not in accepted]
+
+    def wait_for_room(self, timeout_s: float = WAIT_LOOK_S) -> None:
+        """Block until a commit (or another producer) passes the room baton on, or `timeout_s`; counted as
+        backpressure. For callers that append with `try_push` what fits and wait between tries."""
+        started = time.monotonic()
+        try:
+            self.client.blpop([self.keys.room], timeout=timeout_s)
+        finally:
+            self.backpressure_wait_s += time.monotonic() - started
 
     def _crowded(self, count: int) -> bool:
         """Whether appending `count` groups would leave the backlog, as last seen, more than half full (or it was not

@@ -1,11 +1,12 @@
 """The outbox: finished groups on their way to the stream, pushed by a thread of their own.
 
-Contract: the engine's loop `put`s each finished group and never waits on Redis; a pusher thread sends the groups
-waiting (all of them, in one `TrajectoryProducer.push`), which waits, bounded, while the stream's backlog is at
-`queue.max_backlog`. A push that keeps waiting past `queue.wait_timeout_s` (a learner checkpointing or slow) is
-retried with the same groups: backpressure is a normal state, not an error, and a group pushed before is never
-appended twice (the producer's push markers). Any other error (Redis gone for longer than the reconnect window)
-stops the thread, and `check()` raises it on the loop. `backpressure_s` is the time pushes spent waiting for room,
+Contract: the engine's loop `put`s each finished group and never waits on Redis; a pusher thread appends the groups
+waiting with `TrajectoryProducer.try_push`, as many as the stream's backlog bound (`queue.max_backlog`) lets in,
+and waits on the room baton (`wait_for_room`) while none fit. Appending what fits matters: the learner frees room
+only once it holds a whole step, so a push that waited for room for all of a batch could wait forever. Waiting for
+room is a normal state, not an error, and a group pushed before is never appended twice (the producer's push
+markers). Any other error (Redis gone for longer than the reconnect window) stops the thread, and `check()` raises
+it on the loop. `backpressure_s` is the time pushes spent waiting for room,
 measured. The outbox holds at most `capacity` groups: the loop submits no new prompts while it is full, so a full
 backlog bounds generation instead of piling groups up in memory.
 """
@@ -82,9 +83,9 @@ class Outbox:
             self.groups_pushed += len(batch)
 
     def _push(self, batch: list[TrajectoryGroup]) -> None:
-        while not self._closed:
-            try:
-                self.producer.push(batch)
-                return
-            except TimeoutError:  # the backlog stayed full: wait on (the push is idempotent)
-                continue
+        left = batch
+        while left and not self._closed:
+            accepted = set(self.producer.try_push(left))
+            left = [group for group in left if group.group_id not in accepted]
+            if left:
+                self.producer.wait_for_room()

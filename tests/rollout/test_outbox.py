@@ -71,3 +71,26 @@ def test_a_full_outbox_says_so_and_a_dead_server_surfaces_on_check(redis_server,
             broken.check()
     finally:
         broken.close()
+
+
+def test_a_batch_larger_than_the_room_left_reaches_a_consumer_that_waits_for_a_whole_step(
+    redis_server, queue_keys
+) -> None:
+    """The learner frees room only once it holds a step: the outbox must append what fits, not wait for room for
+    its whole batch (1 group in the stream, a step of 4, a batch of 6 into a backlog of 4)."""
+    client = connect(redis_server.url, redis_server.password)
+    outbox = Outbox(TrajectoryProducer(client, queue_keys, max_backlog=4, wait_timeout_s=30.0), capacity=8)
+    consumer = TrajectoryConsumer(connect(redis_server.url, redis_server.password), queue_keys, "c", 60_000, 1 << 20)
+    try:
+        outbox.put(make_group([1], seed=0))
+        _wait_for(lambda: consumer.backlog() == 1)
+        for seed in range(1, 7):
+            outbox.put(make_group([1], seed=seed))
+        _wait_for(lambda: consumer.backlog() == 4, timeout_s=5.0)  # a whole step is there within seconds
+        step = consumer.read(4, 100)
+        consumer.commit(step)
+        _wait_for(lambda: outbox.held() == 0, timeout_s=5.0)
+        rest = consumer.read(4, 100)
+        assert sorted(c.group.group_id for c in step + rest) == [f"g{i}" for i in range(7)]
+    finally:
+        outbox.close()
