@@ -31,11 +31,15 @@ class _Sequence:
     weight: float  # loss weight of each of its response tokens
 
 
-def _sequences(groups: list[TrajectoryGroup], normalization: str) -> list[_Sequence]:
+def _sequences(groups: list[TrajectoryGroup], normalization: str, advantage_std: str) -> list[_Sequence]:
     empty_prompts = [g.group_id for g in groups if len(g.prompt_ids) == 0]
     if empty_prompts:
         raise ValueError(f"prompt_ids: empty in groups {empty_prompts[:4]} (the first response token needs context)")
-    responses = [(g, t, a) for g in groups for t, a in zip(g.trajectories, grpo_advantages(g.rewards), strict=True)]
+    responses = [
+        (g, t, a)
+        for g in groups
+        for t, a in zip(g.trajectories, grpo_advantages(g.rewards, advantage_std), strict=True)
+    ]
     responses = [(g, t, a) for g, t, a in responses if len(t.response_ids)]
     total_tokens = sum(len(t.response_ids) for _, t, _ in responses)
     seqs = []
@@ -79,9 +83,14 @@ def _collate(seqs: list[_Sequence]) -> MicroBatch:
 
 
 def _plan(
-    groups: list[TrajectoryGroup], dp_size: int, max_tokens_per_microbatch: int, normalization: str, cost: CostModel
+    groups: list[TrajectoryGroup],
+    dp_size: int,
+    max_tokens_per_microbatch: int,
+    normalization: str,
+    cost: CostModel,
+    advantage_std: str,
 ) -> tuple[list[_Sequence], Packing]:
-    seqs = _sequences(groups, normalization)
+    seqs = _sequences(groups, normalization, advantage_std)
     if len(seqs) < dp_size:
         raise ValueError(f"batching: {len(seqs)} sequences cannot feed {dp_size} data-parallel ranks")
     lengths = np.array([len(s.tokens) - 1 for s in seqs], dtype=np.int64)
@@ -96,9 +105,10 @@ def plan_rank(
     max_tokens_per_microbatch: int,
     normalization: str,
     cost: CostModel = TOKEN_COUNT,
+    advantage_std: str = "population",
 ) -> list[MicroBatch]:
-    """The micro-batches of data-parallel rank `dp_rank` (what a learner rank runs)."""
-    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost)
+    """The micro-batches of data-parallel rank `dp_rank` (what a learner rank runs); advantages use `loss.std`."""
+    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std)
     return [_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(dp_rank)]
 
 
@@ -108,7 +118,8 @@ def plan_step(
     max_tokens_per_microbatch: int,
     normalization: str,
     cost: CostModel = TOKEN_COUNT,
+    advantage_std: str = "population",
 ) -> list[list[MicroBatch]]:
     """Micro-batches for each data-parallel rank (index = DP rank)."""
-    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost)
+    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std)
     return [[_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(r)] for r in range(dp_size)]

@@ -2,7 +2,9 @@
 
 Contract: every learner rank calls `next_step()` once per step, in the same order. Rank 0 (the only one holding a
 queue consumer) admits groups from the stream in arrival order until the step is complete (`compose.take_step`),
-dropping and counting groups whose oldest token is more than `queue.max_staleness` versions behind (admission), and
+dropping and counting groups whose oldest token is more than `queue.max_staleness` versions behind and, with
+`batching.drop_constant_groups`, groups whose rewards are all equal (admission; the engines keep producing, so the
+step fills with groups that carry a signal), and
 broadcasts their wire bytes to every rank (no pickle between ranks either: docs/DESIGN.md, invariant 5). Every rank
 then plans the whole step deterministically and collates only its own micro-batches (`microbatch.plan_rank`).
 Groups read beyond the step (a token budget can overshoot) are held for the next step; they stay pending in Redis
@@ -63,6 +65,7 @@ class StepSource:
         self.config, self.consumer, self.cost, self.device = config, consumer, cost, device
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.dropped_stale = 0  # groups dropped at admission for staleness (rank 0)
+        self.dropped_constant = 0  # groups dropped at admission for equal rewards (batching.drop_constant_groups)
         self._held: list[ConsumedGroup] = []  # read but not yet in a step (rank 0)
 
     @classmethod
@@ -112,6 +115,7 @@ class StepSource:
             batching.max_tokens_per_microbatch,
             self.config.loss.normalization,
             self.cost,
+            self.config.loss.std,
         )
         return Step(groups, microbatches, admitted, wait_s)
 
@@ -136,6 +140,7 @@ class StepSource:
             **lag_histogram(step.groups, learner_version),
             "queue/depth": self.consumer.backlog(),
             "queue/dropped_stale": self.dropped_stale,
+            "queue/dropped_constant": self.dropped_constant,
             "queue/dead_lettered": self.consumer.dead_lettered,
             "queue/duplicates_skipped": self.consumer.duplicates_skipped,
             "queue/wait_s": step.wait_s,
@@ -151,6 +156,11 @@ class StepSource:
             self._held, stale = split_by_staleness(self._held, learner_version, queue.max_staleness)
             self.consumer.drop(stale)
             self.dropped_stale += len(stale)
+            if batching.drop_constant_groups:  # DAPO's dynamic sampling: no reward variance, no gradient
+                constant = [c for c in self._held if np.all(c.group.rewards == c.group.rewards[0])]
+                self._held = [c for c in self._held if not np.all(c.group.rewards == c.group.rewards[0])]
+                self.consumer.drop(constant)
+                self.dropped_constant += len(constant)
             groups = [c.group for c in self._held]
             # Every data-parallel rank needs at least one sequence.
             size = take_step(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)

@@ -6,22 +6,24 @@ torch/vLLM/Megatron so `streamrl --help` and config checks stay fast.
 """
 
 from streamrl.config.files import ConfigError, apply_override, build_config, load_config, save_resolved
-from streamrl.config.sections import (
-    BatchingConfig,
+from streamrl.config.job import (
     ClusterConfig,
-    Config,
-    LearnerConfig,
-    LossConfig,
     ModelConfig,
-    OptimizerConfig,
-    QueueConfig,
     RayConfig,
-    RolloutConfig,
     RunConfig,
     TaskConfig,
     TinyModelInit,
     TrainConfig,
     WandbConfig,
+)
+from streamrl.config.sections import Config
+from streamrl.config.stages import (
+    BatchingConfig,
+    LearnerConfig,
+    LossConfig,
+    OptimizerConfig,
+    QueueConfig,
+    RolloutConfig,
 )
 
 __all__ = [

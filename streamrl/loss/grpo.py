@@ -21,10 +21,21 @@ import torch
 from streamrl.loss.importance import importance_weights
 
 
-def grpo_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """float32[n] group-normalised advantages (r - mean) / (std + eps); zero for a constant group."""
-    rewards = rewards.astype(np.float32)
-    return ((rewards - rewards.mean()) / (rewards.std() + eps)).astype(np.float32)
+def grpo_advantages(rewards: np.ndarray, std: str = "population", eps: float = 1e-6) -> np.ndarray:
+    """float32[n] group-normalised advantages (r - mean) / (std + eps), with the `std` of `loss.std`: "unbiased"
+    (n - 1 degrees of freedom), "population" (n), or "none" (r - mean alone: Dr. GRPO). Exactly zero for a
+    constant group: its centred rewards are computed in float64, where a float32 mean of equal values is exact,
+    and set to zero outright when every reward is the same (float32 rounding must not invent a signal)."""
+    rewards = rewards.astype(np.float64)
+    if len(rewards) == 0 or np.all(rewards == rewards[0]):
+        return np.zeros(len(rewards), np.float32)
+    centred = rewards - rewards.mean()
+    if std == "none":
+        return centred.astype(np.float32)
+    if std not in ("unbiased", "population"):
+        raise ValueError(f"loss.std: expected unbiased, population or none, got {std!r}")
+    scale = rewards.std(ddof=1 if std == "unbiased" else 0)
+    return (centred / (scale + eps)).astype(np.float32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """GRPO advantages and the PPO-clip loss with truncated importance weights."""
 
 import numpy as np
+import pytest
 import torch
 
 from streamrl.loss.grpo import grpo_advantages, policy_loss
@@ -52,3 +53,21 @@ def test_padding_and_prompt_positions_do_not_contribute() -> None:
     )
     loss.backward()
     assert logp.grad[0, 1] == 0 and stats.tokens == 1
+
+
+def test_constant_groups_get_exactly_zero_advantages() -> None:
+    # 128 equal rewards of the symbols task's k/12 kind: float32 rounding of the mean used to leave |A| up to 0.1.
+    for value in (5 / 12, 7 / 12, 0.1, 1.0):
+        rewards = np.full(128, value, np.float32)
+        for std in ("unbiased", "population", "none"):
+            assert np.all(grpo_advantages(rewards, std) == 0.0), (value, std)
+
+
+def test_advantage_scales() -> None:
+    rewards = np.array([0.0, 1.0, 1.0, 1.0], np.float32)
+    centred = rewards - rewards.mean()
+    np.testing.assert_allclose(grpo_advantages(rewards, "none"), centred, rtol=1e-6)
+    np.testing.assert_allclose(grpo_advantages(rewards, "population"), centred / rewards.std(), rtol=1e-5)
+    np.testing.assert_allclose(grpo_advantages(rewards, "unbiased"), centred / rewards.std(ddof=1), rtol=1e-5)
+    with pytest.raises(ValueError, match="loss.std"):
+        grpo_advantages(rewards, "median")

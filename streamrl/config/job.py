@@ -1,0 +1,113 @@
+"""Config sections of the job as a whole: the run, the model, the task, the driver loop, W&B, Ray and the
+cluster's nodes. Imports no torch/vLLM/Megatron."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from streamrl.config.base import _Section
+
+
+class RunConfig(_Section):
+    name: str = Field("streamrl", description="Run name, used for the W&B run and Redis key prefix.")
+    dir: Path = Field(Path("runs/default"), description="Run directory: resolved config, Redis AOF, W&B files.")
+    seed: int = Field(0, description="Seed for prompts, sampling and model initialisation.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where learners and weight transfers run (gloo/NCCL).")
+
+
+class TinyModelInit(_Section):
+    arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3"] = Field(
+        "qwen3", description="Architecture of the random model."
+    )
+    preset: Literal["tiny", "small", "medium"] = Field(
+        "tiny", description="Shape preset (streamrl.models.tiny.PRESETS; medium: ~0.2B, for GPUs)."
+    )
+
+
+class ModelConfig(_Section):
+    path: Path = Field(description="HuggingFace-format model directory (config.json, safetensors, tokenizer).")
+    init_if_missing: TinyModelInit | None = Field(
+        None, description="If set and `path` has no config.json, write a random tiny model there first."
+    )
+
+
+class TaskConfig(_Section):
+    name: Literal["symbols", "math"] = Field("symbols", description="Reward function and default prompts.")
+    prompts_file: Path | None = Field(None, description="JSONL or Parquet file of prompts (required for math).")
+    prompt_key: str = Field("prompt", description="Field of a prompts_file row holding the prompt text.")
+    answer_key: str = Field("answer", description="Field of a prompts_file row holding the reference answer.")
+    target_length: int = Field(12, gt=0, description="symbols: copies of the symbol that earn the full reward.")
+    symbols: str = Field("#*@+", min_length=1, description="symbols: the alphabet a prompt's symbol is drawn from.")
+    long_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="symbols: share of prompts asking for long_factor x target_length copies."
+    )
+    long_factor: int = Field(8, ge=1, description="symbols: how much longer a long prompt's target is.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(40, ge=1, description="Optimizer steps before the job exits.")
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="async: engines generate continuously while the learner trains; sync: each step's groups are "
+        "generated with the current weights, then trained on, then published (engines idle meanwhile).",
+    )
+    publish_every: int = Field(1, ge=1, description="Publish weights to the engines every this many steps.")
+    publish_bucket_bytes: int = Field(16 << 20, gt=0, description="Payload bytes per weight bucket.")
+    publish_timeout_s: float = Field(120.0, gt=0, description="Bound on one publish reaching every engine.")
+    publish_lag: int = Field(
+        0, ge=0, description="Ablation only: publish the weights of this many steps ago (keeps as many copies)."
+    )
+    checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="Save a learner checkpoint (run.dir/checkpoints) every this many steps and at the "
+        "end; 0 saves none.",
+    )
+    resume: bool = Field(
+        True, description="Start from run.dir/checkpoints/latest when it exists (model, optimizer, step, version)."
+    )
+
+
+class WandbConfig(_Section):
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description="W&B mode (offline by default).")
+    project: str = Field("streamrl", description="W&B project.")
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join (host:port, ray://host:port or auto); unset: $RAY_ADDRESS, else a local "
+        "Ray instance started by the job.",
+    )
+    object_store_bytes: int = Field(
+        512 << 20, gt=0, description="Object store of the local Ray instance (unused when joining a cluster)."
+    )
+
+
+class ClusterConfig(_Section):
+    nodes: int = Field(
+        1, ge=1, description="Nodes the job spans; > 1 needs a Redis every node reaches and cluster.shared_dir."
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="GPUs of each node: a learner tensor-parallel group must fit one node."
+    )
+    shared_dir: Path | None = Field(
+        None,
+        description="A directory every node mounts at the same path; with nodes > 1 run.dir and model.path must "
+        "lie in it (checkpoints, exports, the model). The job checks at start that every node sees it.",
+    )
+    engine_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Extra Ray resources each engine reserves, e.g. a custom resource that labels rollout nodes.",
+    )
+    learner_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Extra Ray resources each learner rank reserves, e.g. a custom resource that labels training "
+        "nodes. A tensor-parallel group is always placed on one node.",
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="Bound on placing the engines and the learner's groups on the cluster's nodes."
+    )

@@ -1,0 +1,259 @@
+"""Config sections of the stages: rollout engines, learner layout, loss, optimizer, queue and batching. Imports no
+torch/vLLM/Megatron."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from streamrl.config.base import _Section
+
+
+class RolloutConfig(_Section):
+    engines: int = Field(1, ge=1, description="Number of vLLM engine actors.")
+    n: int = Field(8, ge=2, description="Responses sampled per prompt (one GRPO group).")
+    prompts_per_batch: int = Field(8, ge=1, description="Prompts an engine submits to vLLM at once.")
+    max_tokens: int = Field(12, ge=1, description="Maximum response tokens.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (1.0 samples the policy itself).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 keeps the policy's distribution.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="vLLM compute dtype.")
+    kv_cache_bytes: int = Field(64 << 20, gt=0, description="KV cache budget per engine, bytes (bounded on CPU).")
+    max_model_len: int = Field(256, gt=0, description="Longest prompt + response an engine accepts.")
+    start_timeout_s: float = Field(300.0, gt=0, description="Bound on an engine's start-up.")
+    weight_update: Literal["inflight", "drain"] = Field(
+        "inflight", description="Apply a new version between decoding steps (inflight) or once no request runs."
+    )
+    weight_apply: Literal["staged", "streamed"] = Field(
+        "staged",
+        description="staged: receive a version while decoding, then pause once to load it; streamed: pause for the "
+        "transfer and load each bucket as it arrives (a new version runs sooner; the old one is swapped back if the "
+        "publish fails). Streamed needs weight_update=inflight and falls back to staged when it cannot stream.",
+    )
+    restart_dead_engines: bool = Field(True, description="Replace an engine that died; it catches up by itself.")
+    enforce_eager: bool | None = Field(
+        None,
+        description="Run vLLM eagerly (no CUDA graphs). Unset: eager on CPU, CUDA graphs on GPU (in-place weight "
+        "updates reach the captured graphs: the weights keep their storage).",
+    )
+
+    @model_validator(mode="after")
+    def _streamed_needs_inflight(self) -> RolloutConfig:
+        if self.weight_apply == "streamed" and self.weight_update == "drain":
+            raise ValueError(
+                "rollout.weight_apply: 'streamed' pauses running requests, so it needs "
+                "rollout.weight_update 'inflight', not 'drain'"
+            )
+        return self
+
+
+class LearnerConfig(_Section):
+    tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size.")
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas; world size = TP x CP x PP x DP.")
+    pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline stages (1F1B schedule).")
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ranks that split every sequence (zigzag shards; keys/values all-gathered in our "
+        "attention); world size = TP x CP x PP x DP.",
+    )
+    virtual_stages: int = Field(
+        1,
+        ge=1,
+        description="Model chunks per pipeline stage (Megatron's interleaved schedule); needs "
+        "pipeline_parallel > 1, and the layers must split evenly over stages x chunks.",
+    )
+    last_stage_layers: int | None = Field(
+        None,
+        ge=1,
+        description="Layers of the last pipeline stage (the rest split evenly over the others), e.g. "
+        "fewer to leave room for the output layer and loss; unset: an even split.",
+    )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="Megatron expert-parallel size for MoE models: the experts are split over this many "
+        "ranks (an expert is never split by TP); they come out of a pipeline stage's TP x CP x DP ranks, so it "
+        "must divide TP x CP x DP.",
+    )
+    params_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Dtype of the model's weights, activations and gradients; bfloat16 keeps float32 "
+        "master weights and Adam state in the optimizer (Megatron's mixed-precision optimizer).",
+    )
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Activation recomputation: selective recomputes each layer's core attention in "
+        "backward; full recomputes whole blocks of recompute_num_layers layers (Megatron's uniform method).",
+    )
+    recompute_num_layers: int = Field(
+        1, ge=1, description="recompute=full: layers per recomputed block (only its input is kept)."
+    )
+    master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
+    collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one accelerator, for MFU (989: H100/H200 bf16); unset: no MFU."
+    )
+    step_timeout_s: float = Field(600.0, gt=0, description="Bound on one learner step seen from the driver.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
+
+    @classmethod
+    def for_world(cls, world_size: int, **fields: Any) -> LearnerConfig:
+        """The layout of `fields` on `world_size` ranks: data_parallel is what TP x PP x CP leave; a size that does not
+        divide the world is refused, naming its key."""
+        model_parallel = 1
+        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+            model_parallel *= fields.get(key, 1)
+            if world_size % model_parallel:
+                raise ValueError(
+                    f"learner.{key}: {fields[key]} does not divide the world of {world_size} ranks "
+                    f"(with the sizes before it: {model_parallel})"
+                )
+        return cls(data_parallel=world_size // model_parallel, **fields)
+
+    @model_validator(mode="after")
+    def _layout_is_consistent(self) -> LearnerConfig:
+        stage = self.tensor_parallel * self.context_parallel * self.data_parallel
+        if stage % self.expert_parallel:
+            raise ValueError(
+                f"learner.expert_parallel: {self.expert_parallel} does not divide the {stage} ranks of a "
+                "pipeline stage (tensor_parallel x context_parallel x data_parallel)"
+            )
+        if self.pipeline_parallel == 1 and (self.virtual_stages > 1 or self.last_stage_layers is not None):
+            field = "virtual_stages" if self.virtual_stages > 1 else "last_stage_layers"
+            raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
+        if self.recompute != "full" and self.recompute_num_layers != 1:
+            raise ValueError("learner.recompute_num_layers: only used with learner.recompute 'full'")
+        return self
+
+
+class LossConfig(_Section):
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range around the proximal policy ratio.")
+    importance_cap: float = Field(2.0, ge=1.0, description="C in the truncated IS weight min(pi_old/pi_behav, C).")
+    policy_loss: Literal["tis", "mis", "decoupled", "ppo_behaviour"] = Field(
+        "tis",
+        description="Off-policy correction: truncated IS, masked IS, AReaL decoupled PPO, or plain PPO on "
+        "the behaviour log-probs (see streamrl/loss/importance.py).",
+    )
+    importance_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance ratio per token, or per sequence (product over its tokens)."
+    )
+    normalization: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean", description="Loss average over all response tokens or all sequences of the global step."
+    )
+    std: Literal["unbiased", "population", "none"] = Field(
+        "population",
+        description="GRPO advantage scale: (r - mean) / std with n - 1 (unbiased) or n (population) degrees of "
+        "freedom, or r - mean alone (none: Dr. GRPO). A group whose rewards are all equal gets exactly 0.",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Entropy bonus: the loss subtracts this times the entropy of the next-token "
+        "distribution, averaged like the policy loss. > 0 runs the model without labels and computes log-probs and "
+        "entropy from the vocabulary-parallel logits (streamrl/learner/model/vocab_parallel.py); 0 keeps the faster "
+        "cross-entropy path and reports no train/entropy.",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL penalty towards the reference policy (the initial weights of "
+        "model.path), averaged like the policy loss. > 0 keeps a frozen copy of the model on every learner rank "
+        "and runs it forward once per step (streamrl/loss/regularizers.py).",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="Per-token KL estimator with r = log pi_ref - log pi: k1 = -r, k2 = r^2/2, "
+        "k3 = exp(r) - r - 1 (GRPO's low-variance one).",
+    )
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW (decoupled) weight decay; Megatron exempts biases and 1-D weights (norms)."
+    )
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    distributed: bool = Field(
+        True,
+        description="Megatron's distributed optimizer: master weights and Adam state sharded over the "
+        "data-parallel (x context-parallel) ranks, gradients reduce-scattered (ZeRO-1); off: all-reduced, "
+        "every rank keeps the whole state.",
+    )
+    grad_reduce_in_fp32: bool = Field(
+        True, description="Accumulate and reduce gradients in float32 even when learner.params_dtype is bfloat16."
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="Keep offload_fraction of the optimizer state and its update on the host (Megatron's "
+        "HybridDeviceOptimizer); needs distributed. A no-op without a GPU, where everything already lives on the host.",
+    )
+    offload_fraction: float = Field(
+        1.0, ge=0.0, le=1.0, description="cpu_offload: the fraction of the optimizer state kept on the host."
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_distributed(self) -> OptimizerConfig:
+        if self.cpu_offload and not self.distributed:
+            raise ValueError("optimizer.cpu_offload: needs optimizer.distributed (Megatron's distributed optimizer)")
+        return self
+
+
+class QueueConfig(_Section):
+    url: str | None = Field(None, description="redis:// or rediss:// URL; unset starts an embedded server.")
+    password_env: str = Field("REDIS_PASSWORD", description="Environment variable holding the Redis password.")
+    username: str | None = Field(
+        None, min_length=1, description="Redis ACL user; unset uses $REDIS_USERNAME, else the default user."
+    )
+    appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="Embedded server AOF fsync.")
+    max_staleness: int = Field(4, ge=0, description="Drop groups whose oldest token is more versions behind.")
+    max_backlog: int = Field(256, ge=1, description="Producers wait while this many groups are unconsumed.")
+    read_block_ms: int = Field(1000, gt=0, description="Longest single blocking XREADGROUP.")
+    reclaim_idle_ms: int = Field(
+        60_000, gt=0, description="Pending entries idle this long are reclaimed; must exceed the longest learner step."
+    )
+    max_entry_bytes: int = Field(64 << 20, gt=0, description="Largest wire entry accepted by the decoder.")
+    wait_timeout_s: float = Field(300.0, gt=0, description="Bound on waiting for a step's groups or for backlog.")
+    reconnect_timeout_s: float = Field(
+        30.0, ge=0, le=600, description="How long a client retries a lost connection (server restart) before failing."
+    )
+
+
+class BatchingConfig(_Section):
+    groups_per_step: int = Field(
+        8, ge=1, description="GRPO groups consumed by one optimizer step (the minimum when tokens_per_step is set)."
+    )
+    tokens_per_step: int | None = Field(
+        None,
+        gt=0,
+        description="If set, a step takes whole groups in arrival order until their prompt + response "
+        "tokens reach this budget (streamrl.batching.compose); groups are never split across steps.",
+    )
+    max_tokens_per_microbatch: int = Field(
+        4096, gt=0, description="Token budget of one packed forward/backward (a longer sequence runs alone)."
+    )
+    drop_constant_groups: bool = Field(
+        False,
+        description="Dynamic sampling (DAPO): drop, at admission, groups whose rewards are all equal (they carry no "
+        "GRPO signal) and count them (queue/dropped_constant); engines keep producing until a step is full.",
+    )
+    cost_linear: float | None = Field(
+        None,
+        gt=0,
+        description="Per-token cost a in a*L + b*L^2 used to balance data-parallel ranks "
+        "(unset: derived from the model shape, streamrl.batching.cost).",
+    )
+    cost_quadratic: float | None = Field(
+        None, ge=0, description="Attention cost b in a*L + b*L^2 (unset: derived from the model shape)."
+    )
+
+    @model_validator(mode="after")
+    def _costs_together(self) -> BatchingConfig:
+        if (self.cost_linear is None) != (self.cost_quadratic is None):
+            raise ValueError("batching.cost_quadratic: set cost_linear and cost_quadratic together, or neither")
+        return self

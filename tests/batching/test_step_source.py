@@ -1,0 +1,72 @@
+"""The step source against a real Redis stream on a one-rank gloo world: whole steps in arrival order, stale and
+(with dynamic sampling) constant-reward groups dropped at admission and counted, commit acks the step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from streamrl.batching import StepSource, cost_model
+from streamrl.config import LearnerConfig, build_config
+from streamrl.learner.parallel import destroy_parallel, init_parallel
+from streamrl.net import free_port
+from streamrl.queue import TrajectoryConsumer, TrajectoryProducer
+from streamrl.queue.client import connect
+from tests.queue.test_codec import make_group
+
+HF_CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "vocab_size": 64,
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank_world():
+    init_parallel(LearnerConfig(collective_timeout_s=60), 0, "127.0.0.1", free_port(), seed=0)
+    yield
+    destroy_parallel()
+
+
+def _source(redis_server, queue_keys, **batching) -> StepSource:
+    config = build_config(
+        {
+            "model": {"path": "unused"},
+            "run": {"name": queue_keys.prefix},
+            "batching": {"groups_per_step": 2, **batching},
+        }
+    )
+    consumer = TrajectoryConsumer(connect(redis_server.url, redis_server.password), queue_keys, "l0", 60_000, 1 << 20)
+    return StepSource(config, consumer, 1, 0, cost_model(config.batching, HF_CONFIG), torch.device("cpu"))
+
+
+def _constant(group, value: float):
+    return dataclasses.replace(group, rewards=np.full(len(group.rewards), value, np.float32))
+
+
+def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(one_rank_world, redis_server, queue_keys) -> None:
+    producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), queue_keys, 16, 5.0)
+    groups = [make_group([2, 3], seed=i) for i in range(4)]
+    groups[0], groups[2] = _constant(groups[0], 0.5), _constant(groups[2], 1.0)
+    producer.push(groups)
+    source = _source(redis_server, queue_keys, drop_constant_groups=True)
+    step = source.next_step(learner_version=4)  # make_group stamps versions 0..4
+    assert [g.group_id for g in step.groups] == ["g1", "g3"]  # the constant ones were skipped, the step filled
+    assert source.dropped_constant == 2 and step.microbatches
+    source.commit(step)
+    metrics = source.metrics(step, 4, step_s=1.0)
+    assert metrics["queue/dropped_constant"] == 2 and metrics["queue/depth"] == 0
+
+
+def test_without_dynamic_sampling_constant_groups_train(one_rank_world, redis_server, queue_keys) -> None:
+    producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), queue_keys, 16, 5.0)
+    producer.push([_constant(make_group([2], seed=0), 0.5), make_group([2], seed=1)])
+    source = _source(redis_server, queue_keys)
+    step = source.next_step(learner_version=4)  # make_group stamps versions 0..4
+    assert [g.group_id for g in step.groups] == ["g0", "g1"] and source.dropped_constant == 0
+    source.commit(step)
