@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from streamrl.config.base import _Section
 
@@ -45,6 +45,32 @@ class TaskConfig(_Section):
         0.0, ge=0.0, le=1.0, description="symbols: share of prompts asking for long_factor x target_length copies."
     )
     long_factor: int = Field(8, ge=1, description="symbols: how much longer a long prompt's target is.")
+    reward: str | None = Field(
+        None,
+        description="A user's reward function, 'package.module:function' or 'file.py:function': (prompt, response, "
+        "metadata) -> float or {'reward': float}; metadata holds the answer and prompt_id (streamrl.rewards.plugin).",
+    )
+    reward_batch: bool = Field(False, description="task.reward scores a whole group per call (lists in, list out).")
+    reward_url: str | None = Field(
+        None, description="An HTTP reward service: POST {prompt, response, metadata} as JSON, answer {reward: float}."
+    )
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="Bound on one reward call; a late call scores reward_on_error, counted and logged."
+    )
+    reward_retries: int = Field(2, ge=0, description="reward_url: extra attempts after a failed request.")
+    reward_workers: int = Field(4, ge=1, description="Reward calls that run at once per engine.")
+    reward_processes: bool | None = Field(
+        None, description="Run reward calls in processes (CPU-heavy verifiers); unset: for the built-in math task only."
+    )
+    reward_on_error: float = Field(0.0, description="The reward of a response whose reward call raised or timed out.")
+
+    @model_validator(mode="after")
+    def _one_reward_source(self) -> TaskConfig:
+        if self.reward is not None and self.reward_url is not None:
+            raise ValueError("task.reward_url: set task.reward or task.reward_url, not both")
+        if self.reward_url is not None and not self.reward_url.startswith(("http://", "https://")):
+            raise ValueError(f"task.reward_url: expected http:// or https://, got {self.reward_url!r}")
+        return self
 
 
 class TrainConfig(_Section):

@@ -7,6 +7,7 @@ number in the response.
 from __future__ import annotations
 
 import re
+import threading
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
@@ -28,14 +29,18 @@ def _to_float(text: str) -> float:
     return float(text)
 
 
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own bound on parsing and on verifying, where it can keep one
+
+
 def math_reward(response_text: str, answer: str) -> float:
     try:
         from math_verify import parse, verify
     except ImportError:
         return float(_last_number_matches(response_text, answer))
-    # Timeouts off: math-verify implements them with SIGALRM, which only works on the main thread
-    # and rewards are computed on the rollout thread.
-    gold, guess = parse(answer, parsing_timeout=None), parse(response_text, parsing_timeout=None)
+    # math-verify's timeouts use SIGALRM, which works only on a main thread: on in the reward pool's worker
+    # processes (the default for this task), off on threads, where the pool's per-call bound still holds.
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold, guess = parse(answer, parsing_timeout=timeout), parse(response_text, parsing_timeout=timeout)
     if gold and guess:
-        return float(verify(gold, guess, timeout_seconds=None))
+        return float(verify(gold, guess, timeout_seconds=timeout))
     return float(_last_number_matches(response_text, answer))

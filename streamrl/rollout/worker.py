@@ -2,7 +2,8 @@
 
 Threads of the actor and what they own:
 - the loop (`run()`): the only thread that touches vLLM. It keeps `prompts_per_batch` prompts in
-  flight (continuous batching), steps the engine, scores and pushes each finished group, and
+  flight (continuous batching), steps the engine, hands each finished group to the reward pool
+  (`streamrl.rewards.RewardPool`: threads or processes, every call bounded) and the scored ones to the outbox, and
   between two steps applies a received weight version (in flight: running requests continue and
   recompute their KV; `rollout.weight_update=drain`: new prompts wait until the engine is empty).
   Finished groups go to the outbox (`outbox.py`), whose thread pushes them: the loop never waits on Redis.
@@ -32,7 +33,7 @@ import numpy as np
 from streamrl.config import Config
 from streamrl.net import ray_node
 from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
-from streamrl.rewards import build_reward
+from streamrl.rewards import PendingGroup, RewardPool
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompts import Prompt, PromptSource
@@ -60,7 +61,8 @@ class RolloutWorker:
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         self.prompts = PromptSource(config.task, seed=config.run.seed * 1000 + engine_index)
-        self.reward = build_reward(config.task)
+        self.rewards = RewardPool(config.task)
+        self._scoring: list[tuple[str, list[int], list[Sample], PendingGroup]] = []  # finished, being scored
         self.keys = QueueKeys(config.run.name)
         self.redis = connect_for(config.queue, redis_url, redis_password)
         producer = TrajectoryProducer(self.redis, self.keys, config.queue.max_backlog, config.queue.wait_timeout_s)
@@ -103,7 +105,8 @@ class RolloutWorker:
                 self._run_tasks()
                 self._apply_pending()
                 self.outbox.check()
-                if not self.outbox.full() and not self._draining():
+                self._finish_scored()
+                if len(self._scoring) + self.outbox.held() < self.outbox.capacity and not self._draining():
                     self._top_up()
                 if self.engine.has_unfinished():
                     self.engine.step()
@@ -114,6 +117,7 @@ class RolloutWorker:
             self._loop_running.clear()
             self._run_tasks()
             self.outbox.close()
+            self.rewards.close()
         return self.outbox.groups_pushed
 
     def stop(self) -> None:
@@ -151,22 +155,37 @@ class RolloutWorker:
             self._in_flight[request_id] = (prompt, ids)
 
     def _collect(self) -> None:
+        """Finished requests go to the reward pool; the loop goes on decoding while they are scored."""
         for request_id, samples in self.engine.pop_finished().items():
             prompt, ids = self._in_flight.pop(request_id)
-            group = self._group(request_id, prompt, ids, samples)
+            scoring = self.rewards.submit(request_id, prompt.text, prompt.answer, [s.text for s in samples])
+            self._scoring.append((request_id, ids, samples, scoring))
+
+    def _finish_scored(self) -> None:
+        """Groups whose rewards are in go to the outbox, in the order they finished."""
+        still = []
+        for request_id, ids, samples, scoring in self._scoring:
+            rewards = self.rewards.collect(scoring)
+            if rewards is None:
+                still.append((request_id, ids, samples, scoring))
+                continue
+            group = self._group(request_id, ids, samples, rewards)
             self.tokens_generated += len(group.response_ids)
             self.outbox.put(group)
+        self._scoring = still
 
-    def _group(self, request_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[Sample]) -> TrajectoryGroup:
+    def _group(
+        self, request_id: str, prompt_ids: list[int], samples: list[Sample], rewards: np.ndarray
+    ) -> TrajectoryGroup:
         responses = [
             Trajectory(
                 np.asarray(s.token_ids, np.int32),
                 np.asarray(s.logprobs, np.float32),
                 np.asarray(s.versions, np.int32),
-                self.reward(s.text, prompt.answer),
+                float(reward),
                 s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
             )
-            for s in samples
+            for s, reward in zip(samples, rewards.tolist(), strict=True)
         ]
         return TrajectoryGroup.from_responses(request_id, self.engine_id, np.asarray(prompt_ids), responses)
 
@@ -264,6 +283,8 @@ class RolloutWorker:
             "rollout/groups_pushed": self.outbox.groups_pushed,
             "rollout/tokens_generated": self.tokens_generated,
             "rollout/backpressure_s": self.outbox.backpressure_s,
+            "rollout/reward_timeouts": self.rewards.timed_out,
+            "rollout/reward_errors": self.rewards.failed,
             "rollout/versions_applied": self.versions_applied,
             "rollout/engine_version": self.engine.policy_version,
         }

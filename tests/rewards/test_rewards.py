@@ -3,12 +3,16 @@
 import pytest
 
 from streamrl.config import TaskConfig
-from streamrl.rewards import build_reward
+from streamrl.rewards import Scorer
 from streamrl.rewards.math import math_reward
 
 
 def test_symbols_reward_counts_copies_up_to_target() -> None:
-    reward = build_reward(TaskConfig(target_length=4))
+    scorer = Scorer.for_task(TaskConfig(target_length=4))
+
+    def reward(text: str, answer: str) -> float:
+        return scorer(["prompt"], [text], [{"answer": answer}])[0]
+
     assert reward("", "#") == 0.0
     assert reward("a#b#", "#") == 0.5
     assert reward("########", "#") == 1.0
