@@ -144,6 +144,13 @@ class LossConfig(_Section):
     normalization: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="Loss average over all response tokens or all sequences of the global step."
     )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer updates per step, each on a share of the step's micro-batches (PPO mini-batches); > 1 "
+        "takes pi_old from a forward pass of the step's starting weights, so the PPO ratio moves and the clip binds.",
+    )
+    epochs: int = Field(1, ge=1, description="Passes over the step's mini-batches (PPO epochs).")
     std: Literal["unbiased", "population", "none"] = Field(
         "population",
         description="GRPO advantage scale: (r - mean) / std with n - 1 (unbiased) or n (population) degrees of "

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from streamrl.batching import flops_cost_model
+from streamrl.batching import filler_microbatch, flops_cost_model
 from streamrl.config import Config
 from streamrl.learner.context_parallel import padded_cu_seqlens, shard_microbatch, zigzag_columns
 from streamrl.learner.hf.convert import load_hf_weights
@@ -76,46 +76,75 @@ class Trainer:
         mb: MicroBatch,
         entropy: torch.Tensor | None = None,
         reference: dict[int, torch.Tensor] | None = None,
+        old: dict[int, torch.Tensor] | None = None,
+        weight_scale: float = 1.0,
     ) -> tuple[torch.Tensor, tuple[float, PolicyLossStats, RegularizerStats]]:
         """Last stage: the loss of one micro-batch (`streamrl.loss.objective`) from its per-token log-probs (packed:
-        each sequence attended only to itself), entropies and `reference` log-probs (`reference_logprobs`), and for
-        the metrics its value and statistics."""
-        # Interleaved-schedule fillers (zero weight) have no reference pass: a KL of 0.
+        each sequence attended only to itself), entropies, `reference` log-probs and `old` (step-start) log-probs,
+        its loss weights times `weight_scale`, and for the metrics its value and statistics."""
+        # Interleaved-schedule fillers (zero weight) have no reference or old pass: a KL of 0, a ratio of 1.
         ref_logp = None if reference is None else reference.get(id(mb), logp.detach())
-        loss, stats, regularizers = microbatch_objective(self.config.loss, logp, mb, entropy, ref_logp)
+        old_logp = None if old is None else old.get(id(mb), logp.detach())
+        loss, stats, regularizers = microbatch_objective(
+            self.config.loss, logp, mb, entropy, ref_logp, old_logp, weight_scale
+        )
         return loss, (float(loss.detach()), stats, regularizers)
 
+    def _mini_batches(self, shards: list[MicroBatch]) -> list[tuple[list[MicroBatch], float]]:
+        """The step's micro-batches in `loss.mini_batches` parts, each with the scale that makes its loss weights sum
+        to 1 over every rank (a part's tokens are a share of the step's). Every rank runs as many parts, each with at
+        least one micro-batch (zero-weight fillers where a rank has too few), so the collectives stay aligned."""
+        count = self.config.loss.mini_batches
+        shards = shards + [shard_microbatch(filler_microbatch(), self.cp_size, self.cp_rank)] * (count - len(shards))
+        parts = [list(part) for part in np.array_split(np.array(shards, dtype=object), count)]
+        sums = torch.tensor(
+            [sum(float(mb.loss_weight.sum()) for mb in part) for part in parts], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+        return [(part, 1.0 / total if total > 0 else 0.0) for part, total in zip(parts, sums.tolist(), strict=True)]
+
     def train(self, microbatches: list[MicroBatch]) -> TrainResult:
-        """One optimizer step over this rank's micro-batches (a collective over the learner world)."""
-        for chunk in self.chunks:
-            chunk.train()
-        self.training.zero_grad()
+        """One step over this rank's micro-batches (a collective over the learner world): one optimizer update, or
+        `loss.epochs` x `loss.mini_batches` of them against the log-probs of the step's starting weights (PPO)."""
+        loss_config = self.config.loss
         timer = StepTimer(self.device)
         totals = StepStats()
         shards = [shard_microbatch(mb, self.cp_size, self.cp_rank) for mb in microbatches]
-        reference = None
+        reference = old = None
         if self.reference_chunks:
             with timer.phase("reference_forward"):
                 reference = reference_logprobs(self.reference_chunks, shards)
+        updates = loss_config.mini_batches * loss_config.epochs
+        if updates > 1:  # pi_old: the step's starting weights, fixed while the updates move pi_theta away
+            with timer.phase("old_logprobs_forward"):
+                old = reference_logprobs(self.chunks, shards)
+        parts = self._mini_batches(shards) if updates > 1 else [(shards, 1.0)]
         if self.router_load is not None:
             self.router_load.reset()
-        with timer.phase("forward_backward"):
-            loss_fn = partial(self._microbatch_loss, reference=reference)
-            with_entropy = self.config.loss.entropy_coef > 0
-            # The schedule ends by completing the gradients (Megatron's finalize_model_grads): timed apart.
-            for loss, stats, regularizers in run_microbatches(
-                self.training.models, shards, loss_fn, with_entropy=with_entropy
-            ):
-                totals.add(loss, stats, regularizers)
-        timer.seconds["grad_reduce"] = self.training.grad_reduce_s
-        timer.seconds["forward_backward"] -= self.training.grad_reduce_s
-        with timer.phase("optimizer"):  # clip by the global norm, update (master weights), gather the params
-            grad_norm = self.training.step()
+        with_entropy = loss_config.entropy_coef > 0
+        grad_reduce_s = 0.0
+        for _ in range(loss_config.epochs):
+            for part, scale in parts:
+                for chunk in self.chunks:
+                    chunk.train()
+                self.training.zero_grad()
+                loss_fn = partial(self._microbatch_loss, reference=reference, old=old, weight_scale=scale)
+                with timer.phase("forward_backward"):
+                    # The schedule ends by completing the gradients (Megatron's finalize_model_grads): timed apart.
+                    for loss, stats, regularizers in run_microbatches(
+                        self.training.models, part, loss_fn, with_entropy=with_entropy
+                    ):
+                        totals.add(loss / updates, stats, regularizers)
+                grad_reduce_s += self.training.grad_reduce_s
+                with timer.phase("optimizer"):  # clip by the global norm, update (master weights), gather the params
+                    grad_norm = self.training.step()
+        timer.seconds["grad_reduce"] = grad_reduce_s
+        timer.seconds["forward_backward"] -= grad_reduce_s
         # TP peers run the same sequences, CP peers shards of them, and every stage sees every micro-batch: count
         # the FLOPs once per data-parallel replica, on its last stage (which also holds the loss statistics).
         if self.last_stage and self.cp_rank == 0:
-            # The reference pass adds one forward to training's three forwards' worth (forward + backward).
-            passes = 4 / 3 if self.reference_chunks else 1.0
+            # Each epoch is three forwards' worth (forward + backward); each extra forward-only pass adds one.
+            passes = loss_config.epochs + (1 / 3 if self.reference_chunks else 0.0) + (1 / 3 if old else 0.0)
             totals.flops = passes * training_flops(flops_cost_model(self.hf_config), microbatches)
         totals = totals.reduce(
             ps.get_data_parallel_group(with_context_parallel=True), ps.get_pipeline_model_parallel_group(), self.device
@@ -123,7 +152,8 @@ class Trainer:
         peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         moe = self.router_load.metrics() if self.router_load is not None else {}
-        return TrainResult(totals, grad_norm, moe | self._perf_metrics(timer, totals.flops, float(peak)))
+        metrics = moe | self._perf_metrics(timer, totals.flops, float(peak)) | {"train/updates": updates}
+        return TrainResult(totals, grad_norm, metrics)
 
     def _perf_metrics(self, timer: StepTimer, flops: float, peak_gib: float) -> dict[str, float]:
         compute_s = sum(timer.seconds.values())

@@ -1,11 +1,13 @@
 """The learner's objective on one packed micro-batch, as configured by `loss`: policy loss + entropy bonus + KL.
 
-Contract: `microbatch_objective(cfg, logp, mb, entropy=None, ref_logp=None) -> (loss, policy_stats, regularizer_stats)`
-on the last pipeline stage, with `logp` the learner's float32 `[1, T]` log-probs of `mb.labels` (differentiable),
-`entropy` its next-token entropies (given when `cfg.entropy_coef > 0`) and `ref_logp` the reference policy's
-log-probs (given when `cfg.kl_coef > 0`). The loss is `streamrl.loss.grpo.policy_loss` plus
-`streamrl.loss.regularizers.regularization_loss`, all weighted by `mb.loss_weight`, so summing it over the step's
-micro-batches and ranks gives the step loss (invariant 6).
+Contract: `microbatch_objective(cfg, logp, mb, entropy=None, ref_logp=None, old_logp=None, weight_scale=1.0) ->
+(loss, policy_stats, regularizer_stats)` on the last pipeline stage, with `logp` the learner's float32 `[1, T]`
+log-probs of `mb.labels` (differentiable), `entropy` its next-token entropies (given when `cfg.entropy_coef > 0`),
+`ref_logp` the reference policy's log-probs (given when `cfg.kl_coef > 0`), `old_logp` the log-probs of the step's
+starting weights (given when a step takes several updates) and `weight_scale` what makes one mini-batch's loss
+weights sum to 1. The loss is `streamrl.loss.grpo.policy_loss` plus `streamrl.loss.regularizers.regularization_loss`,
+all weighted by `mb.loss_weight`, so summing it over the step's micro-batches and ranks gives the step loss
+(invariant 6).
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ def microbatch_objective(
     mb: MicroBatch,
     entropy: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    weight_scale: float = 1.0,
 ) -> tuple[torch.Tensor, PolicyLossStats, RegularizerStats]:
     """Scalar loss of `mb` and its statistics; see the module docstring."""
     as_t = lambda array: torch.from_numpy(array).to(logp.device)  # micro-batches are built on the host
-    weight = as_t(mb.loss_weight)
-    # One optimizer step per batch: the proximal policy is the current one, so ratio == 1 in value
-    # and the IS weight min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness.
+    weight = as_t(mb.loss_weight) * weight_scale
+    # One update per step: the proximal policy is the current one (ratio == 1 in value) and the IS weight
+    # min(pi_old / pi_behaviour, C) alone corrects for the engine's staleness. Several updates per step (mini-batches,
+    # epochs): pi_old is the step's starting policy, so the ratio moves and the clip binds.
     loss, stats = policy_loss(
         logp,
-        logp.detach(),
+        logp.detach() if old_logp is None else old_logp,
         as_t(mb.behaviour_logprobs),
         as_t(mb.advantages),
         weight,

@@ -7,14 +7,17 @@ so the KL is 0 (k3 at r = 0); after it the KL is positive. The rest of the step 
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from streamrl.config import build_config
 from streamrl.learner.parallel import destroy_parallel
+from streamrl.queue import QueueKeys, TrajectoryProducer
 from streamrl.queue.client import connect
-from streamrl.queue.stream import QueueKeys, TrajectoryProducer
 from tests.learner.ranks import free_port
 from tests.queue.test_codec import make_group
 
@@ -46,3 +49,40 @@ def test_step_reports_entropy_kl_to_reference_and_router_load(
         assert 0.0 < metrics["train/entropy"] < 4.2  # at most log(64), the uniform distribution over the vocabulary
         assert metrics["moe/load_max_over_mean"] > 1.0 and metrics["moe/load_cv"] > 0.0
         assert metrics["perf/reference_forward_s"] > 0.0
+
+
+def _steps(config_tree: dict, redis_server, groups: int, steps: int) -> list[dict]:
+    from streamrl.learner.worker import LearnerWorker
+
+    name = config_tree["run"]["name"]
+    producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), QueueKeys(name), 64, 10.0)
+    fresh = [make_group([3, 5, 4, 6], seed) for seed in range(groups * steps)]  # sampled under version 0:
+    producer.push([dataclasses.replace(g, versions=np.zeros_like(g.versions)) for g in fresh])
+    worker = LearnerWorker(
+        build_config(config_tree), 0, "127.0.0.1", free_port(), redis_server.url, redis_server.password
+    )
+    try:
+        return [worker.step() for _ in range(steps)]
+    finally:
+        destroy_parallel()
+
+
+def test_mini_batches_move_the_policy_within_a_step_so_the_clip_binds(
+    tiny_model_dirs: Callable[[str], Path], redis_server, tmp_path: Path
+) -> None:
+    def tree(mini_batches: int) -> dict:
+        return {
+            "model": {"path": str(tiny_model_dirs("qwen3"))},
+            "run": {"name": f"test-{uuid.uuid4().hex[:8]}", "dir": str(tmp_path / str(mini_batches))},
+            # 4 groups of 4 sequences, one sequence per micro-batch: 16 micro-batches, 4 per mini-batch.
+            "batching": {"groups_per_step": 4, "max_tokens_per_microbatch": 16},
+            "loss": {"mini_batches": mini_batches, "clip_eps": 0.05},
+            "optimizer": {"lr": 3e-2},
+        }
+
+    single = _steps(tree(1), redis_server, groups=4, steps=2)
+    assert all(m["train/clip_fraction"] == 0.0 and m["train/updates"] == 1 for m in single)  # ratio is 1 in value
+    mini = _steps(tree(4), redis_server, groups=4, steps=2)
+    assert all(m["train/updates"] == 4 and m["perf/old_logprobs_forward_s"] > 0 for m in mini)
+    assert all(m["train/clip_fraction"] > 0.0 for m in mini), [m["train/clip_fraction"] for m in mini]
+    assert all(np.isfinite(m["train/loss"]) and m["train/policy_version"] == i + 1 for i, m in enumerate(mini))
