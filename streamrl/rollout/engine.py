@@ -10,8 +10,9 @@ Contract
 - Continuous batching: `submit(request_id, prompt_ids, n, ...)` queues a prompt; each `step()`
   runs one decoding step and stamps every token it sampled with the `policy_version` the weights
   had at that step; `pop_finished()` hands back completed requests as lists of `Sample`s.
-  `Sample.logprobs[i]` is the behaviour log-prob of `token_ids[i]` (`logprobs_mode="raw_logprobs"`:
-  log-softmax of the unmodified logits, the policy itself at temperature 1 / top_p 1).
+  `Sample.logprobs[i]` is the behaviour log-prob of `token_ids[i]` as sampled (`logprobs_mode="processed_logprobs"`:
+  after temperature, and top-p/top-k renormalisation when set); the learner scores at the same temperature
+  (`streamrl.learner.model.logprobs.sample_at_temperature`).
 - `generate(...)` and `score(...)` are built on the same request table, so they can run while
   other requests are in flight without stealing their outputs.
 - `load_weights(version, tensors)` applies one complete version (HF names) through
@@ -77,7 +78,7 @@ class VLLMEngine:
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             kv_cache_memory_bytes=kv_cache_bytes,
-            logprobs_mode="raw_logprobs",
+            logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
         )
         self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step

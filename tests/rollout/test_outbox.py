@@ -43,7 +43,7 @@ def test_groups_wait_for_room_and_arrive_once(redis_server, queue_keys) -> None:
         assert sorted(c.group.group_id for c in received) == ["g0", "g1", "g2", "g3"]
         _wait_for(lambda: outbox.held() == 0)
         assert outbox.groups_pushed == 4
-        assert outbox.backpressure_s >= 0.8  # measured waiting time, not a count of loop passes
+        assert 0.7 <= outbox.backpressure_s < 10  # measured waiting time (~0.8 s slept), not a count of loop passes
     finally:
         outbox.close()
 

@@ -180,3 +180,21 @@ def microbatch_forward(model: GPTModel, mb: MicroBatch, with_entropy: bool = Fal
     return model_forward(
         model, as_t(mb.input_ids), as_t(mb.position_ids), as_t(mb.labels), as_t(mb.cu_seqlens), with_entropy
     )
+
+
+def sample_at_temperature(chunks: list[GPTModel], temperature: float) -> None:
+    """Make the chunks' log-probs those of the engines' sampling distribution at `temperature` (`rollout.temperature`):
+    the output layer's logits are divided by it before any log-softmax, on both the cross-entropy and the entropy
+    path. The engines report processed log-probs (after temperature), so the importance weights compare like with
+    like. A no-op at temperature 1 and on chunks without the output layer."""
+    if temperature == 1.0:
+        return
+
+    def scaled(module: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
+        logits, bias = output
+        return logits / temperature, bias
+
+    for chunk in chunks:
+        output_layer = getattr(chunk, "output_layer", None) if chunk.post_process else None
+        if output_layer is not None:
+            output_layer.register_forward_hook(scaled)
