@@ -130,7 +130,7 @@ class StepSource:
         assert self.consumer is not None
         lags = [learner_version - g.min_version for g in step.groups]
         lengths = [n for g in step.groups for n in g.lengths]
-        return {
+        return self._token_metrics(step, learner_version) | {
             "rollout/reward_mean": float(np.mean(np.concatenate([g.rewards for g in step.groups]))),
             "rollout/response_length_mean": float(np.mean(lengths)),
             "perf/step_time_s": step_s,
@@ -145,6 +145,21 @@ class StepSource:
             "queue/duplicates_skipped": self.consumer.duplicates_skipped,
             "queue/wait_s": step.wait_s,
         }
+
+    @staticmethod
+    def _token_metrics(step: Step, learner_version: int) -> dict[str, float]:
+        """Staleness per token (versions change mid-sequence with in-flight updates) and the share of responses
+        whose tokens span 0, 1, 2 or 3+ policy versions."""
+        token_lags = np.concatenate([learner_version - g.versions for g in step.groups])
+        spans = np.array(
+            [int(t.versions.max() - t.versions.min()) for g in step.groups for t in g.trajectories if len(t.versions)]
+        )
+        metrics = {"rollout_corr/token_lag_mean": float(token_lags.mean()) if len(token_lags) else 0.0}
+        metrics["rollout_corr/token_lag_max"] = float(token_lags.max()) if len(token_lags) else 0.0
+        for span, name in ((0, "0"), (1, "1"), (2, "2")):
+            metrics[f"rollout_corr/versions_spanned_{name}"] = float(np.mean(spans == span)) if len(spans) else 0.0
+        metrics["rollout_corr/versions_spanned_3plus"] = float(np.mean(spans >= 3)) if len(spans) else 0.0
+        return metrics
 
     def _admit(self, learner_version: int) -> list[ConsumedGroup]:
         """Rank 0: whole groups in arrival order until the step is complete (bounded wait). Held groups age too, so

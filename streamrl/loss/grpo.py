@@ -47,6 +47,9 @@ class PolicyLossStats:
     truncated: float  # tokens whose importance weight was truncated (tis) or masked (mis) at the cap C
     importance_weight: float  # sum of truncated importance weights
     behaviour_kl: float  # sum of (logp_behav - logp_old): k1 estimate of KL(behaviour || learner)
+    abs_log_diff: float = 0.0  # sum of |logp_old - logp_behav|: the train/rollout log-prob mismatch
+    mismatch_k3: float = 0.0  # sum of k3 = exp(r) - 1 - r, r = logp_old - logp_behav: KL(behaviour || learner) >= 0
+    importance_weight_max: float = 0.0  # largest importance weight of a response token (a max, not a sum)
 
 
 def policy_loss(
@@ -80,5 +83,8 @@ def policy_loss(
             truncated=float((capped.float() * maskf).sum()),
             importance_weight=float((importance * maskf).sum()),
             behaviour_kl=float(((logp_behaviour - logp_old) * maskf).sum()),
+            abs_log_diff=float((log_w.abs() * maskf).sum()),
+            mismatch_k3=float(((torch.exp(log_w) - 1.0 - log_w) * maskf).sum()),
+            importance_weight_max=float((importance * maskf).max()) if mask.any() else 0.0,
         )
     return loss, stats

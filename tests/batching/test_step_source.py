@@ -61,6 +61,12 @@ def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(one_rank_worl
     source.commit(step)
     metrics = source.metrics(step, 4, step_s=1.0)
     assert metrics["queue/dropped_constant"] == 2 and metrics["queue/depth"] == 0
+    # make_group stamps each token with a random version in 0..4: per-token lags and versions spanned per response.
+    tokens = np.concatenate([g.versions for g in step.groups])
+    assert metrics["rollout_corr/token_lag_mean"] == pytest.approx(float(np.mean(4 - tokens)))
+    assert metrics["rollout_corr/token_lag_max"] == 4 - tokens.min()
+    spans = [metrics[f"rollout_corr/versions_spanned_{k}"] for k in ("0", "1", "2", "3plus")]
+    assert sum(spans) == pytest.approx(1.0) and spans[0] < 1.0
 
 
 def test_without_dynamic_sampling_constant_groups_train(one_rank_world, redis_server, queue_keys) -> None:

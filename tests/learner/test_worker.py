@@ -86,3 +86,7 @@ def test_mini_batches_move_the_policy_within_a_step_so_the_clip_binds(
     assert all(m["train/updates"] == 4 and m["perf/old_logprobs_forward_s"] > 0 for m in mini)
     assert all(m["train/clip_fraction"] > 0.0 for m in mini), [m["train/clip_fraction"] for m in mini]
     assert all(np.isfinite(m["train/loss"]) and m["train/policy_version"] == i + 1 for i, m in enumerate(mini))
+    for m in mini:  # make_group's behaviour log-probs are random: a large, measured train/rollout mismatch
+        assert m["rollout_corr/log_prob_abs_diff_mean"] > 0.1 and m["rollout_corr/kl_k3"] > 0.0
+        assert m["rollout_corr/is_weight_max"] >= m["rollout_corr/is_weight_mean"] > 0.0
+        assert m["actor/pg_clipfrac"] == m["train/clip_fraction"]
