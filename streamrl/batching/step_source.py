@@ -33,6 +33,7 @@ from streamrl.config import Config
 from streamrl.queue import (
     QueueKeys,
     TrajectoryConsumer,
+    ahead_of,
     connect_for,
     decode_group,
     encode_group,
@@ -141,6 +142,7 @@ class StepSource:
             "queue/depth": self.consumer.backlog(),
             "queue/dropped_stale": self.dropped_stale,
             "queue/dropped_constant": self.dropped_constant,
+            "queue/ahead_of_learner": ahead_of(step.groups, learner_version),
             "queue/dead_lettered": self.consumer.dead_lettered,
             "queue/duplicates_skipped": self.consumer.duplicates_skipped,
             "queue/wait_s": step.wait_s,

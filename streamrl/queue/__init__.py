@@ -17,5 +17,6 @@ __all__, __getattr__ = exports(
         "DecodeError": "codec",
         "split_by_staleness": "admission",
         "lag_histogram": "admission",
+        "ahead_of": "admission",
     },
 )

@@ -1,9 +1,11 @@
 """Staleness accounting at admission: which consumed groups a learner step may use, and how old they are.
 
 A group's lag is `learner_version - group.min_version`: how many optimizer steps the policy that
-sampled its oldest token is behind. The admission rule (DESIGN.md invariant 1) keeps groups with
-`lag <= max_staleness` and drops the rest. Both functions are pure; a group newer than the learner
-means the version bookkeeping is broken, so it raises instead of being counted.
+sampled its oldest token is behind. The admission rule (docs/DESIGN.md, invariant 1) keeps groups with
+`lag <= max_staleness` and drops the rest. A group newer than the learner exists only after the learner was
+restored from a checkpoint older than the weights the engines ran: it is admitted (lag 0, counted by
+`ahead_of`), since its behaviour log-probs make it as usable as any other off-policy sample, and a run
+directory never gets stuck on it. Functions are pure.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ LAG_BUCKETS = 8  # lags 0..7 get a bucket each, larger ones share `queue/lag_ge8
 
 
 def _lag(group: TrajectoryGroup, learner_version: int) -> int:
-    lag = learner_version - group.min_version
-    if lag < 0:
-        raise ValueError(
-            f"group {group.group_id}: min_version {group.min_version} is ahead of the learner's {learner_version}"
-        )
-    return lag
+    return max(learner_version - group.min_version, 0)
+
+
+def ahead_of(groups: Iterable[TrajectoryGroup], learner_version: int) -> int:
+    """How many of `groups` hold tokens sampled by a policy newer than the learner (a restored learner)."""
+    return sum(int(g.versions.max()) > learner_version for g in groups if len(g.versions))
 
 
 def split_by_staleness(

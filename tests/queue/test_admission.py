@@ -1,9 +1,8 @@
 """Staleness split and lag histogram: pure functions over groups' oldest token versions."""
 
 import numpy as np
-import pytest
 
-from streamrl.queue.admission import lag_histogram, split_by_staleness
+from streamrl.queue.admission import ahead_of, lag_histogram, split_by_staleness
 from streamrl.types import ConsumedGroup, Trajectory, TrajectoryGroup
 
 
@@ -39,8 +38,8 @@ def test_lag_histogram_counts_every_bucket() -> None:
     assert set(lag_histogram([], 0).values()) == {0.0}
 
 
-def test_a_group_ahead_of_the_learner_is_an_error() -> None:
-    with pytest.raises(ValueError, match="group a: min_version 3 is ahead of the learner's 2"):
-        lag_histogram([_group("a", [3])], learner_version=2)
-    with pytest.raises(ValueError, match="ahead of the learner"):
-        split_by_staleness([ConsumedGroup("1-0", _group("a", [3]))], 2, 4)
+def test_a_group_ahead_of_a_restored_learner_is_admitted_and_counted() -> None:
+    ahead = ConsumedGroup("1-0", _group("a", [3]))
+    assert split_by_staleness([ahead], 2, 4) == ([ahead], [])
+    assert lag_histogram([ahead.group], learner_version=2)["queue/lag_0"] == 1
+    assert ahead_of([ahead.group, _group("b", [1, 2])], learner_version=2) == 1
