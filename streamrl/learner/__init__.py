@@ -9,5 +9,6 @@ __all__, __getattr__ = exports(
         "LearnerWorker": "worker",
         "check_layout": "model.layout",
         "export_checkpoint": "hf.export",
+        "completed_step": "checkpoint",
     },
 )

@@ -268,3 +268,9 @@ def load_checkpoint(path: Path, chunks: Chunks, optimizer: MegatronOptimizer | N
 def config_hash(config: Config) -> str:
     """sha256 of the resolved config, recorded in meta.json to tell which configuration wrote a checkpoint."""
     return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+
+
+def completed_step(run_dir: Path) -> int:
+    """The step of the run directory's latest completed checkpoint (0 when there is none)."""
+    latest = latest_checkpoint(checkpoint_root(run_dir))
+    return 0 if latest is None else read_meta(latest).step

@@ -1,17 +1,30 @@
 """What a user watches: a progress bar on the terminal and per-step metrics in W&B (offline by default).
 
 `RunMonitor.log(step, metrics)` records one row; `close()` finishes the W&B run and returns the
-one-line summary the CLI prints. W&B files live under the run directory.
+one-line summary the CLI prints. W&B files live under the run directory; every start of a run directory logs
+into the same W&B run (its id is kept in RUN_DIR/wandb_run_id), so a resumed job continues its curves.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from streamrl.config import Config
+
+
+def run_id(run_dir: Path) -> str:
+    """The W&B run id of a run directory, made at its first start and kept in RUN_DIR/wandb_run_id, so a resumed
+    job logs into the same W&B run."""
+    path = run_dir / "wandb_run_id"
+    if path.is_file() and (existing := path.read_text().strip()):
+        return existing
+    path.write_text(new := secrets.token_hex(4))
+    return new
 
 
 class RunMonitor:
@@ -23,6 +36,8 @@ class RunMonitor:
         self.run = wandb.init(
             project=config.wandb.project,
             name=config.run.name,
+            id=run_id(config.run.dir),
+            resume="allow",
             mode=config.wandb.mode,
             dir=str(config.run.dir.resolve()),
             config=config.model_dump(mode="json"),

@@ -46,14 +46,17 @@ def _records(data: bytes) -> Iterator[bytes]:
 
 
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
-    """Logged rows of the single offline run under `run_dir` (searched recursively), in order."""
+    """Logged rows of the offline W&B run under `run_dir` (searched recursively), in order: a run resumed by later
+    starts of the job is one run (one id) over several offline directories, read in the order they were made."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    files = sorted(Path(run_dir).rglob("offline-run-*/run-*.wandb"))
-    if len(files) != 1:
-        raise FileNotFoundError(f"expected one offline W&B run under {run_dir}, found {len(files)}")
+    # offline-run-YYYYMMDD_HHMMSS-<id>/run-<id>.wandb: the directory names sort by start time.
+    files = sorted(Path(run_dir).rglob("offline-run-*/run-*.wandb"), key=lambda file: file.parent.name)
+    ids = {file.stem.removeprefix("run-") for file in files}
+    if len(ids) != 1:
+        raise FileNotFoundError(f"expected one offline W&B run under {run_dir}, found {len(ids)}: {sorted(ids)}")
     rows = []
-    for blob in _records(files[0].read_bytes()):
+    for blob in (blob for file in files for blob in _records(file.read_bytes())):
         record = pb.Record()
         record.ParseFromString(blob)
         if record.WhichOneof("record_type") == "history":

@@ -130,7 +130,17 @@ def prepare_run(config: Config) -> None:
 
 
 def train(config: Config, show_progress: bool = True) -> RunResult:
-    """The whole job: prepare the run, start the cluster, run the steps, tear everything down."""
+    """The whole job: prepare the run, start the cluster, run the steps, tear everything down. A run directory
+    whose latest checkpoint already holds `train.steps` steps is finished: it says so and starts nothing."""
     prepare_run(config)
+    if config.train.resume:
+        from streamrl.learner import completed_step
+
+        done = completed_step(config.run.dir)
+        if done >= config.train.steps:
+            return RunResult(
+                f"streamrl: {config.run.dir} already finished: its checkpoint holds step {done} of train.steps "
+                f"{config.train.steps} (raise train.steps to train on)"
+            )
     with Cluster(config) as cluster:
         return run_steps(cluster, config, show_progress)

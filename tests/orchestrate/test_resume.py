@@ -39,3 +39,19 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
         assert [row["rollout/engine_version"] for row in history] == [4, 6]
         assert_logprob_parity(cluster, second)
     assert latest_checkpoint(root) == step_dir(root, 6)
+
+
+def test_a_resumed_job_continues_its_wandb_run_and_a_finished_one_says_so(tmp_path: Path) -> None:
+    from streamrl.monitor.wandb_files import read_history
+    from streamrl.orchestrate.driver import train
+
+    first = tiny_config(tmp_path, "train.steps=2", "train.checkpoint_every=2")
+    assert len(train(first, show_progress=False).history) == 2
+    again = train(first, show_progress=False)  # nothing left to do: no cluster, no new W&B run
+    assert "already finished" in again.summary and not again.history
+    assert len(list(first.run.dir.rglob("offline-run-*"))) == 1
+    longer = tiny_config(tmp_path, "train.steps=3", "train.checkpoint_every=2")
+    assert len(train(longer, show_progress=False).history) == 1
+    history = read_history(longer.run.dir)  # one W&B run over both starts
+    assert [row["train/policy_version"] for row in history] == [1, 2, 3]
+    assert len(list(longer.run.dir.rglob("offline-run-*"))) == 2
