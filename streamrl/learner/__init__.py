@@ -9,6 +9,6 @@ __all__, __getattr__ = exports(
         "LearnerWorker": "worker",
         "check_layout": "model.layout",
         "export_checkpoint": "hf.export",
-        "completed_step": "checkpoint",
+        "completed_step": "checkpoint_meta",
     },
 )

@@ -40,9 +40,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,89 +52,24 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from streamrl.learner.checkpoint_meta import (
+    _DIST,
+    FORMAT,
+    LATEST,
+    META,
+    CheckpointError,
+    CheckpointMeta,
+    read_meta,
+    step_dir,
+)
+
 if TYPE_CHECKING:  # the config module needs pydantic, which a learner-only install may lack
     from streamrl.config import Config
 
 
-FORMAT = 1
-CHECKPOINTS_DIR = "checkpoints"
-LATEST = "latest"
-META = "meta.json"
-_DIST = "dist"  # the dist_checkpointing directory inside a step directory
-_STEP_DIR = re.compile(r"step_(\d{8})")
 # The distributed optimizer's state saved per parameter, laid out like it (reloads under another TP/PP/DP layout);
 # no prefix per chained (dense / expert) optimizer, as Megatron-LM saves it.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the field."""
-
-
-@dataclass(frozen=True)
-class CheckpointMeta:
-    format: int  # FORMAT of the writer
-    step: int  # driver steps completed when saved
-    version: int  # policy version (optimizer steps taken) of the saved weights
-    tensor_parallel: int  # layout of the saving job; a loading job may differ
-    data_parallel: int
-    config_hash: str  # sha256 of the resolved config of the saving job (which run produced it)
-    pipeline_parallel: int = 1
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return run_dir / CHECKPOINTS_DIR
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def read_meta(path: Path) -> CheckpointMeta:
-    """Validate and read `path/meta.json`; anything missing or mistyped raises naming the file and field."""
-    file = path / META
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing (incomplete checkpoint)")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-    fields = {
-        "format": int,
-        "step": int,
-        "version": int,
-        "tensor_parallel": int,
-        "data_parallel": int,
-        "config_hash": str,
-    }
-    for name, kind in fields.items():
-        value = raw.get(name)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise CheckpointError(f"{file}: field {name!r} must be {kind.__name__}, got {value!r}")
-    if raw["format"] != FORMAT:
-        raise CheckpointError(f"{file}: field 'format' is {raw['format']}, this reader supports {FORMAT}")
-    stages = raw.get("pipeline_parallel", 1)
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise CheckpointError(f"{file}: field 'pipeline_parallel' must be a positive int, got {stages!r}")
-    if path.name != step_dir(path.parent, raw["step"]).name:
-        raise CheckpointError(f"{file}: field 'step' is {raw['step']} but the directory is {path.name}")
-    if not (path / _DIST / "metadata.json").is_file():
-        raise CheckpointError(f"{path / _DIST / 'metadata.json'}: missing (incomplete checkpoint)")
-    return CheckpointMeta(**{name: raw[name] for name in fields}, pipeline_parallel=stages)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The step directory `root/latest` names (validated), or None when no checkpoint was completed."""
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not _STEP_DIR.fullmatch(name):
-        raise CheckpointError(f"{pointer}: expected a step directory name like step_00000004, got {name!r}")
-    read_meta(root / name)
-    return root / name
 
 
 def _write_atomically(file: Path, text: str) -> None:
@@ -268,9 +202,3 @@ def load_checkpoint(path: Path, chunks: Chunks, optimizer: MegatronOptimizer | N
 def config_hash(config: Config) -> str:
     """sha256 of the resolved config, recorded in meta.json to tell which configuration wrote a checkpoint."""
     return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
-
-
-def completed_step(run_dir: Path) -> int:
-    """The step of the run directory's latest completed checkpoint (0 when there is none)."""
-    latest = latest_checkpoint(checkpoint_root(run_dir))
-    return 0 if latest is None else read_meta(latest).step

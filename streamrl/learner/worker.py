@@ -21,6 +21,7 @@ import torch.distributed as dist
 from streamrl.batching import StepSource
 from streamrl.config import Config
 from streamrl.learner import checkpoint
+from streamrl.learner.checkpoint_meta import checkpoint_root, latest_checkpoint
 from streamrl.learner.hf.convert import load_hf_checkpoint, stream_hf_weights
 from streamrl.learner.parallel import init_parallel
 from streamrl.learner.trainer import Trainer
@@ -47,8 +48,8 @@ class LearnerWorker:
         ranks = (ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(), ps.get_data_parallel_rank())
         self.publisher = StagePublisher(config.train, config.run.device, is_sender=ranks == (0, 0, 0))
         self.resumed_step = 0  # step of the checkpoint this rank started from (0: a fresh start)
-        root = checkpoint.checkpoint_root(config.run.dir)
-        if config.train.resume and (latest := checkpoint.latest_checkpoint(root)) is not None:
+        root = checkpoint_root(config.run.dir)
+        if config.train.resume and (latest := latest_checkpoint(root)) is not None:
             self.load_checkpoint(str(latest))
 
     def ready(self) -> dict[str, Any]:
@@ -92,7 +93,7 @@ class LearnerWorker:
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> str:
         """All ranks: save model, optimizer, RNG and version as `step` under run.dir/checkpoints; returns the path."""
-        root = checkpoint.checkpoint_root(self.config.run.dir)
+        root = checkpoint_root(self.config.run.dir)
         return str(
             checkpoint.save_checkpoint(
                 root,

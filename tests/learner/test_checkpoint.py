@@ -20,14 +20,8 @@ import torch
 from megatron.core import parallel_state
 
 from streamrl.config import OptimizerConfig
-from streamrl.learner.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    read_meta,
-    save_checkpoint,
-    step_dir,
-)
+from streamrl.learner.checkpoint import load_checkpoint, save_checkpoint
+from streamrl.learner.checkpoint_meta import CheckpointError, latest_checkpoint, read_meta, step_dir
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import token_logprobs

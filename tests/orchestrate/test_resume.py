@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamrl.learner.checkpoint import checkpoint_root, latest_checkpoint, step_dir
+from streamrl.learner.checkpoint_meta import checkpoint_root, latest_checkpoint, step_dir
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, run_steps, start_step
 from tests.orchestrate.parity import assert_logprob_parity, learner_logprobs, tiny_config

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from streamrl.config import Config, LearnerConfig
-from streamrl.learner.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint, load_checkpoint
+from streamrl.learner.checkpoint import load_checkpoint
+from streamrl.learner.checkpoint_meta import CheckpointError, checkpoint_root, latest_checkpoint
 from streamrl.learner.hf.convert import stream_hf_weights
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
