@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from streamrl.config import Config, ConfigError, load_config
+from streamrl.logs import quiet_driver
 from streamrl.models import ARCHS, PRESETS
 
 
@@ -23,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("-c", "--config", required=True, type=Path, help="YAML run config (see configs/)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10 rollout.n=4")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    train.add_argument("--verbose", action="store_true", help="show vLLM, Megatron and Ray output (run.verbose)")
     check = sub.add_parser("check-config", help="validate a config and print it fully resolved")
     check.add_argument("-c", "--config", required=True, type=Path)
     check.add_argument("overrides", nargs="*")
@@ -51,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         print(write_tiny_model(args.out, args.arch, args.preset, args.seed))
         return 0
     try:
-        config = load_config(args.config, args.overrides + extra)
+        verbose = ["run.verbose=true"] if getattr(args, "verbose", False) else []
+        config = load_config(args.config, args.overrides + extra + verbose)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"streamrl: config error: {exc}", file=sys.stderr)
         return 2
+    quiet_driver(config.run.verbose)
     if args.command == "check-config":
         import yaml
 

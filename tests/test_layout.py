@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[1] / "streamrl"
-SHARED = {"types", "config", "net", "api"}  # modules every stage may import
+SHARED = {"types", "config", "net", "api", "logs"}  # modules every stage may import
 MAX_LINES = 400
 STAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
 

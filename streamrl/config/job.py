@@ -16,6 +16,9 @@ class RunConfig(_Section):
     dir: Path = Field(Path("runs/default"), description="Run directory: resolved config, Redis AOF, W&B files.")
     seed: int = Field(0, description="Seed for prompts, sampling and model initialisation.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where learners and weight transfers run (gloo/NCCL).")
+    verbose: bool = Field(
+        False, description="Show the engines' and learner ranks' own output (vLLM, Megatron); else in run.dir/logs."
+    )
 
 
 class TinyModelInit(_Section):

@@ -25,6 +25,7 @@ from streamrl.learner.checkpoint_meta import checkpoint_root, latest_checkpoint
 from streamrl.learner.hf.convert import load_hf_checkpoint, stream_hf_weights
 from streamrl.learner.parallel import init_parallel
 from streamrl.learner.trainer import Trainer
+from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
 from streamrl.weights import DTYPES, StagePublisher
 
@@ -36,6 +37,7 @@ class LearnerWorker:
         from megatron.core import parallel_state as ps
 
         self.config, self.rank = config, rank
+        to_run_logs(config.run.dir, f"learner-{rank}", config.run.verbose)
         torch.set_num_threads(1)  # ranks share the machine's cores with the engines
         init_parallel(config.learner, rank, master_addr, master_port, config.run.seed)
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)

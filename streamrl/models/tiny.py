@@ -186,6 +186,9 @@ def write_tiny_model(
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a tiny model needs no progress bar on the user's terminal
     model.save_pretrained(out, safe_serialization=True)
     (out / "tokenizer.json").write_text(build_tokenizer_json())
     tokenizer_config = {

@@ -60,6 +60,8 @@ class RunMonitor:
         self.bar.set_postfix(
             reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
             lag=f"{metrics.get('queue/policy_lag_mean', 0.0):.1f}",
+            tok_s=f"{metrics.get('perf/tokens_per_s', 0.0):.0f}",
+            queue=int(metrics.get("queue/depth", 0)),
         )
 
     def close(self) -> str:

@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 from streamrl.config import Config
+from streamrl.logs import stderr_to_run_logs
 from streamrl.orchestrate.placement import Placement, check_shared_dir
 from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for
 from streamrl.weights import Publisher
@@ -93,12 +94,15 @@ class Cluster:
             return
         # Actors inherit these: one intra-op thread each, since ranks and engines share the cores.
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": self.config.wandb.mode}
-        common = {"runtime_env": {"env_vars": env}, "log_to_driver": True, "configure_logging": False}
+        # The actors write their own output to run.dir/logs unless run.verbose (streamrl.logs).
+        verbose = self.config.run.verbose
+        common = {"runtime_env": {"env_vars": env}, "log_to_driver": verbose, "configure_logging": False}
         address = self.config.ray.address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, **common)
-        else:
-            ray.init(include_dashboard=False, object_store_memory=self.config.ray.object_store_bytes, **common)
+        with stderr_to_run_logs(self.config.run.dir, "ray", verbose):
+            if address:
+                ray.init(address=address, **common)
+            else:
+                ray.init(include_dashboard=False, object_store_memory=self.config.ray.object_store_bytes, **common)
         self._started_ray = True
 
     def _start_redis(self) -> None:

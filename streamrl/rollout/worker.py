@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.config import Config
+from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
 from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import PendingGroup, RewardPool
@@ -50,6 +51,7 @@ class RolloutWorker:
         from streamrl.rollout.engine import VLLMEngine
 
         self.config, self.engine_id = config, f"engine-{engine_index}"
+        to_run_logs(config.run.dir, self.engine_id, config.run.verbose)
         rollout = config.rollout
         self.engine = VLLMEngine(
             str(config.model.path),
