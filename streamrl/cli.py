@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, type=Path, help="output directory")
     export.add_argument("--checkpoint", type=Path, help="step directory (default: run.dir/checkpoints/latest)")
     export.add_argument("overrides", nargs="*")
+    stop = sub.add_parser("stop", help="drain a running job: finish its step, checkpoint, exit 0 (resumable)")
+    stop.add_argument("run_dir", type=Path, help="the job's run directory (run.dir)")
     init = sub.add_parser("init-model", help="write a random tiny HF model with a character tokenizer")
     init.add_argument("out", type=Path, help="output directory")
     init.add_argument("--arch", default="qwen3", choices=ARCHS)
@@ -47,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and (args.command == "init-model" or any("=" not in e for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "stop":
+        from streamrl.orchestrate import request_stop
+
+        if not (args.run_dir / "config.yaml").is_file():
+            print(f"streamrl: {args.run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+            return 2
+        print(f"streamrl: stop requested ({request_stop(args.run_dir)}); the job drains after its current step")
+        return 0
     if args.command == "init-model":
         from streamrl.models import write_tiny_model
 

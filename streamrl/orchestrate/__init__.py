@@ -10,5 +10,6 @@ __all__, __getattr__ = exports(
         "check_model_layout": "driver",
         "RunResult": "driver",
         "Cluster": "cluster",
+        "request_stop": "stop",
     },
 )

@@ -37,6 +37,7 @@ from typing import Any
 from streamrl.config import Config, save_resolved
 from streamrl.monitor import RunMonitor
 from streamrl.orchestrate.cluster import Cluster
+from streamrl.orchestrate.stop import StopRequest, clear_stop_request
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
     first = start_step(cluster)
     train = config.train
     monitor = RunMonitor(config, show_progress, first_step=first)
+    stop = StopRequest(config.run.dir)
+    stopped = None
     try:
         if first:  # the engines started from model.path's weights: bring them to the resumed ones first
             logger.info("resumed from the checkpoint of step %d", first)
@@ -113,10 +116,18 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
                 metrics.update(cluster.publisher.publish(step))
             if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == train.steps):
                 metrics.update(save_checkpoint(cluster, step))
+            stopped = stop.requested()
+            if stopped and train.checkpoint_every and "perf/checkpoint_s" not in metrics:
+                metrics.update(save_checkpoint(cluster, step))  # drain: the step's update is committed
             metrics.update(cluster.engine_stats())
             monitor.log(step, metrics)
+            if stopped:
+                break
     finally:
+        stop.close()
         summary = monitor.close()
+    if stopped:
+        summary += f" | stopped ({stopped}) after step {first + len(monitor.history)}; run again to resume"
     return RunResult(summary, monitor.history)
 
 
@@ -124,6 +135,7 @@ def prepare_run(config: Config) -> None:
     """Create the run directory, save the resolved config, make sure the model exists and fits the layout."""
     os.environ.setdefault("WANDB_MODE", config.wandb.mode)
     config.run.dir.mkdir(parents=True, exist_ok=True)
+    clear_stop_request(config.run.dir)
     save_resolved(config, config.run.dir)
     ensure_model(config)
     check_model_layout(config)
