@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, type=Path, help="output directory")
     export.add_argument("--checkpoint", type=Path, help="step directory (default: run.dir/checkpoints/latest)")
     export.add_argument("overrides", nargs="*")
+    status = sub.add_parser("status", help="print a job's progress and, while it runs, its health")
+    status.add_argument("run_dir", type=Path, help="the job's run directory (run.dir)")
     stop = sub.add_parser("stop", help="drain a running job: finish its step, checkpoint, exit 0 (resumable)")
     stop.add_argument("run_dir", type=Path, help="the job's run directory (run.dir)")
     init = sub.add_parser("init-model", help="write a random tiny HF model with a character tokenizer")
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and (args.command == "init-model" or any("=" not in e for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "status":
+        from streamrl.monitor import describe_status
+
+        print(describe_status(args.run_dir))
+        return 0
     if args.command == "stop":
         from streamrl.orchestrate import request_stop
 

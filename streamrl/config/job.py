@@ -16,6 +16,13 @@ class RunConfig(_Section):
     dir: Path = Field(Path("runs/default"), description="Run directory: resolved config, Redis AOF, W&B files.")
     seed: int = Field(0, description="Seed for prompts, sampling and model initialisation.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where learners and weight transfers run (gloo/NCCL).")
+    monitor_port: int | None = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the driver's /healthz and /metrics server (0: a free one, recorded in "
+        "run.dir/status.json; unset: no server).",
+    )
     verbose: bool = Field(
         False, description="Show the engines' and learner ranks' own output (vLLM, Megatron); else in run.dir/logs."
     )

@@ -2,4 +2,12 @@
 
 from streamrl.api import exports
 
-__all__, __getattr__ = exports(__name__, {"RunMonitor": "run_monitor", "read_history": "wandb_files"})
+__all__, __getattr__ = exports(
+    __name__,
+    {
+        "RunMonitor": "run_monitor",
+        "read_history": "wandb_files",
+        "HealthServer": "health",
+        "describe_status": "health",
+    },
+)

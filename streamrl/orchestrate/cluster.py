@@ -40,6 +40,7 @@ class Cluster:
         self.senders: list[Any] = []  # the learner ranks that send weights: the first of each pipeline stage
         self.publisher = Publisher(self, config.train)
         self.engines_restarted = 0
+        self.restarting: set[int] = set()  # engine slots being replaced right now
         self._started_ray = False
         self.placement: Placement | None = None
 
@@ -155,6 +156,7 @@ class Cluster:
                 ray.get(engine.policy_version.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 dead.append(index)
+        self.restarting = set(dead)
         for index in reversed(dead):
             logger.warning("engine-%d is dead", index)
             ray.kill(self.engines[index])
@@ -169,11 +171,34 @@ class Cluster:
                 self.engines_restarted += 1
             else:
                 del self.engines[index], self.engine_loops[index]
+        self.restarting = set()
         if dead:
             self.publisher.stale = True
         if not self.engines:
             raise RuntimeError("rollout: every engine is dead")
         return bool(dead)
+
+    def engine_health(self) -> dict[str, str]:
+        """Each engine's state for /healthz: up (loop running, actor answering within a second), restarting or
+        down. Safe to call from another thread of the driver."""
+        import ray
+
+        engines, loops, restarting = list(self.engines), list(self.engine_loops), set(self.restarting)
+        done, _ = ray.wait(loops, num_returns=len(loops), timeout=0) if loops else ([], [])
+        pings = [engine.policy_version.remote() for engine in engines]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=1.0) if pings else ([], [])
+        states = {}
+        for index, (loop, ping) in enumerate(zip(loops, pings, strict=True)):
+            answered = ping in ready and not isinstance(_error(ping), Exception)
+            alive = loop not in done and answered
+            states[f"engine-{index}"] = "restarting" if index in restarting else "up" if alive else "down"
+        return states
+
+    def node_address(self) -> str:
+        """This (the driver's) node's address, as other nodes reach it."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def check_engines(self) -> None:
         """Surface an engine loop that stopped: a dead actor is replaced, an exception is raised here."""
@@ -231,3 +256,13 @@ class Cluster:
             ray.shutdown()
         if self.redis is not None:
             self.redis.stop()
+
+
+def _error(ref: Any) -> Any:
+    """The exception a finished Ray call raised, or its result."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=0)
+    except Exception as exc:  # noqa: BLE001 - the caller only asks whether it failed
+        return exc

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.config import Config, save_resolved
-from streamrl.monitor import RunMonitor
+from streamrl.monitor import HealthServer, RunMonitor
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.stop import StopRequest, clear_stop_request
 
@@ -103,6 +103,8 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
     monitor = RunMonitor(config, show_progress, first_step=first)
     stop = StopRequest(config.run.dir)
     stopped = None
+    port = config.run.monitor_port
+    health = HealthServer(cluster, config.run.dir, port) if port is not None else None
     try:
         if first:  # the engines started from model.path's weights: bring them to the resumed ones first
             logger.info("resumed from the checkpoint of step %d", first)
@@ -121,10 +123,14 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
                 metrics.update(save_checkpoint(cluster, step))  # drain: the step's update is committed
             metrics.update(cluster.engine_stats())
             monitor.log(step, metrics)
+            if health is not None:
+                health.update(step, metrics)
             if stopped:
                 break
     finally:
         stop.close()
+        if health is not None:
+            health.close()
         summary = monitor.close()
     if stopped:
         summary += f" | stopped ({stopped}) after step {first + len(monitor.history)}; run again to resume"
