@@ -24,6 +24,7 @@ from typing import Any
 from streamrl.config import Config
 from streamrl.logs import stderr_to_run_logs
 from streamrl.orchestrate.placement import Placement, check_shared_dir
+from streamrl.orchestrate.redis_watch import RedisWatch
 from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for
 from streamrl.weights import Publisher
 
@@ -41,6 +42,7 @@ class Cluster:
         self.publisher = Publisher(self, config.train)
         self.engines_restarted = 0
         self.restarting: set[int] = set()  # engine slots being replaced right now
+        self.redis_watch: RedisWatch | None = None
         self._started_ray = False
         self.placement: Placement | None = None
 
@@ -124,6 +126,7 @@ class Cluster:
                 )
         self.redis = EmbeddedRedis(config.run.dir / "redis", config.queue.appendfsync, host=host).start()
         self.redis_url, self.redis_password = self.redis.url, self.redis.password
+        self.redis_watch = RedisWatch(self.redis)
 
     def _record_placement(self, engines: list[dict[str, Any]], learners: list[dict[str, Any]]) -> None:
         """Where each actor runs, for operators and tests: RUN_DIR/placement.json."""
@@ -236,6 +239,7 @@ class Cluster:
         # Counters add up over engines; for versions the laggard is what matters.
         merged = {key: (min if key.endswith("version") else sum)(s[key] for s in stats) for key in stats[0]}
         merged["rollout/engines_restarted"] = self.engines_restarted
+        merged["queue/redis_restarts"] = self.redis_watch.restarts if self.redis_watch is not None else 0
         return merged
 
     def __exit__(self, *exc: object) -> None:
@@ -254,6 +258,8 @@ class Cluster:
             self.placement.remove()
         if self._started_ray:
             ray.shutdown()
+        if self.redis_watch is not None:
+            self.redis_watch.stop()
         if self.redis is not None:
             self.redis.stop()
 
