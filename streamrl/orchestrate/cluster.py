@@ -236,8 +236,9 @@ class Cluster:
 
     def engine_stats(self) -> dict[str, float]:
         stats = self.get([e.stats.remote() for e in self.engines], 30.0, "engine stats")
-        # Counters add up over engines; for versions the laggard is what matters.
-        merged = {key: (min if key.endswith("version") else sum)(s[key] for s in stats) for key in stats[0]}
+        # Counters add up over engines; for versions the laggard is what matters, for start-up the slowest.
+        merge = {"rollout/engine_version": min, "rollout/engine_start_s": max}
+        merged = {key: merge.get(key, sum)(s[key] for s in stats) for key in stats[0]}
         merged["rollout/engines_restarted"] = self.engines_restarted
         merged["queue/redis_restarts"] = self.redis_watch.restarts if self.redis_watch is not None else 0
         return merged

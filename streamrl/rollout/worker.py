@@ -50,6 +50,7 @@ class RolloutWorker:
 
         from streamrl.rollout.engine import VLLMEngine
 
+        started = time.perf_counter()
         self.config, self.engine_id = config, f"engine-{engine_index}"
         to_run_logs(config.run.dir, self.engine_id, config.run.verbose)
         rollout = config.rollout
@@ -84,6 +85,9 @@ class RolloutWorker:
         self._stop = threading.Event()
         self.weights: list[WeightGroup] = []  # one group per learner pipeline stage
         self.tokens_generated = self.versions_applied = 0
+        # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
+        # during long runs, so the driver reports it (rollout/engine_start_s: the slowest engine).
+        self.start_s = time.perf_counter() - started
 
     def ready(self) -> dict[str, Any]:
         """Identity, the version this engine runs and the latest one announced (a restarted engine lags)."""
@@ -91,6 +95,7 @@ class RolloutWorker:
         return {
             **ray_node(),
             "engine_id": self.engine_id,
+            "start_s": self.start_s,
             "version": self.engine.policy_version,
             "announced_version": int(announced) if announced is not None else 0,
         }
@@ -289,4 +294,5 @@ class RolloutWorker:
             "rollout/reward_errors": self.rewards.failed,
             "rollout/versions_applied": self.versions_applied,
             "rollout/engine_version": self.engine.policy_version,
+            "rollout/engine_start_s": self.start_s,
         }

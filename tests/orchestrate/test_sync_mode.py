@@ -25,6 +25,7 @@ def test_sync_steps_are_on_policy(tmp_path: Path) -> None:
     # One step's prompts at a time: the engine never runs ahead of the learner.
     assert [row["rollout/groups_pushed"] for row in history] == [groups * (s + 1) for s in range(STEPS)]
     assert history[-1]["rollout/engine_version"] == STEPS
+    assert 0 < history[-1]["rollout/engine_start_s"] < config.rollout.start_timeout_s  # measured and bounded
 
 
 def test_sync_mode_settings_are_checked(tmp_path: Path) -> None:
