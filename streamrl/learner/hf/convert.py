@@ -18,7 +18,9 @@ Contract (all conversions are pure reindexing - views, cat, chunk - so a round t
   pipeline chunks: a chunk's layers are numbered locally from 0, and `stage_names(chunk)` maps them to the
   model-wide layer numbers these conversions use).
 - Names and sharding kinds come from `names.py`.
-- `load_hf_checkpoint(path)` reads `config.json` and every `*.safetensors` file.
+- `load_hf_checkpoint(path)` reads `config.json` and maps every tensor of the `*.safetensors` shards, each read from
+  its shard only when a conversion looks it up (`checkpoint_files.CheckpointTensors`): a rank reads only what it
+  loads.
 
 Layouts. Megatron fuses q/k/v into `linear_qkv` with rows grouped per query group g:
 `[q heads of group g, k_g, v_g]` for g in 0..num_query_groups-1 (same for the Qwen2 qkv bias), and gate/up
@@ -53,9 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors.torch import load_file
 from torch import Tensor
 
+from streamrl.learner.hf.checkpoint_files import CheckpointTensors
 from streamrl.learner.hf.names import (
     COLUMN,
     GLU,
@@ -303,14 +305,7 @@ def stream_hf_weights(
             yield from megatron_to_hf({name: full}, hf_config)
 
 
-def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """Read `config.json` and all `*.safetensors` shards of a HF checkpoint directory (tensors on CPU)."""
+def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], CheckpointTensors]:
+    """`config.json` of a HF checkpoint directory and its tensors, each read when looked up (`CheckpointTensors`)."""
     path = Path(path)
-    hf_config = json.loads((path / "config.json").read_text())
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    hf_state: dict[str, Tensor] = {}
-    for file in files:
-        hf_state.update(load_file(file))
-    return hf_config, hf_state
+    return json.loads((path / "config.json").read_text()), CheckpointTensors(path)
