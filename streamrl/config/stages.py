@@ -31,6 +31,14 @@ class RolloutConfig(_Section):
         "publish fails). Streamed needs weight_update=inflight and falls back to staged when it cannot stream.",
     )
     restart_dead_engines: bool = Field(True, description="Replace an engine that died; it catches up by itself.")
+    max_engine_restarts: int = Field(
+        10, ge=0, description="Engine restarts a job allows in all; one more ends the job (non-zero) with the reason."
+    )
+    restart_backoff_s: float = Field(
+        2.0,
+        ge=0,
+        description="Wait before replacing an engine, doubled for each earlier restart of its slot (max 60s).",
+    )
     enforce_eager: bool | None = Field(
         None,
         description="Run vLLM eagerly (no CUDA graphs). Unset: eager on CPU, CUDA graphs on GPU (in-place weight "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any
 
 from streamrl.config import Config
@@ -42,6 +43,7 @@ class Cluster:
         self.publisher = Publisher(self, config.train)
         self.engines_restarted = 0
         self.restarting: set[int] = set()  # engine slots being replaced right now
+        self.slot_restarts: dict[int, int] = {}  # engine slot -> restarts so far (the backoff doubles with each)
         self.redis_watch: RedisWatch | None = None
         self._started_ray = False
         self.placement: Placement | None = None
@@ -160,10 +162,19 @@ class Cluster:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 dead.append(index)
         self.restarting = set(dead)
+        rollout = self.config.rollout
         for index in reversed(dead):
             logger.warning("engine-%d is dead", index)
             ray.kill(self.engines[index])
-            if self.config.rollout.restart_dead_engines:
+            if rollout.restart_dead_engines:
+                if self.engines_restarted >= rollout.max_engine_restarts:
+                    raise RuntimeError(
+                        f"rollout.max_engine_restarts: engine-{index} died after {self.engines_restarted} restarts "
+                        f"(the budget is {rollout.max_engine_restarts}); see {self.config.run.dir / 'logs'}"
+                    )
+                earlier = self.slot_restarts.get(index, 0)
+                time.sleep(min(rollout.restart_backoff_s * 2**earlier, 60.0))
+                self.slot_restarts[index] = earlier + 1
                 self.engines[index] = self._new_engine(index)
                 self.get(
                     [self.engines[index].ready.remote()],

@@ -43,3 +43,13 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
         for engine in (0, 1):  # whole versions only: both match the learner token by token
             assert_logprob_parity(cluster, config, engine)
         cluster.learner_step(3)  # and training goes on
+
+
+def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, "wandb.mode=disabled", "rollout.max_engine_restarts=0")
+    prepare_run(config)
+    with Cluster(config) as cluster:
+        cluster.learner_step(1)
+        ray.kill(cluster.engines[0])
+        with pytest.raises(RuntimeError, match="rollout.max_engine_restarts: engine-0 died after 0 restarts"):
+            cluster.replace_dead_engines()
