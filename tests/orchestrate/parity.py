@@ -45,3 +45,10 @@ def assert_logprob_parity(cluster: Cluster, config: Config, engine: int = 0) -> 
     learner_lp = learner_logprobs(cluster, config)
     assert engine_lp.shape == learner_lp.shape == (len(fixed_sample(config)[1]),)
     np.testing.assert_allclose(engine_lp, learner_lp, atol=PARITY_TOL, rtol=0)
+
+
+def train_and_publish(cluster: Cluster, steps: int) -> None:
+    """Steps 1..`steps`, each published to the engines."""
+    for step in range(1, steps + 1):
+        cluster.learner_step(step)
+        cluster.publisher.publish(step)

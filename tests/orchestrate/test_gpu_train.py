@@ -16,7 +16,7 @@ import pytest
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, train
-from tests.orchestrate.parity import engine_logprobs, learner_logprobs, tiny_config
+from tests.orchestrate.parity import engine_logprobs, learner_logprobs, tiny_config, train_and_publish
 
 torch = pytest.importorskip("torch")
 needs_two_gpus = pytest.mark.skipif(
@@ -51,9 +51,7 @@ def test_bf16_logprob_parity_after_publishes(tmp_path: Path) -> None:
     prepare_run(config)
     with Cluster(config) as cluster:
         before = engine_logprobs(cluster, config)
-        for step in (1, 2):
-            cluster.learner_step(step)
-            cluster.publisher.publish(step)
+        train_and_publish(cluster, 2)
         engine_lp, learner_lp = engine_logprobs(cluster, config), learner_logprobs(cluster, config)
     assert np.abs(engine_lp - before).max() > 1e-3  # the published weights reached the engine's CUDA graphs
     gap = np.abs(engine_lp - learner_lp).max()

@@ -13,7 +13,7 @@ import pytest
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, train
-from tests.orchestrate.parity import assert_logprob_parity, engine_logprobs, tiny_config
+from tests.orchestrate.parity import assert_logprob_parity, engine_logprobs, tiny_config, train_and_publish
 
 
 @pytest.mark.slow
@@ -70,9 +70,7 @@ def test_logprob_parity(tmp_path: Path, layout: list[str]) -> None:
     prepare_run(config)
     with Cluster(config) as cluster:
         before = engine_logprobs(cluster, config)
-        for step in (1, 2):
-            cluster.learner_step(step)
-            cluster.publisher.publish(step)
+        train_and_publish(cluster, 2)
         after = engine_logprobs(cluster, config)
         assert np.abs(after - before).max() > 1e-4  # the published weights did change the engine
         assert_logprob_parity(cluster, config)
