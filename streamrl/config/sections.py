@@ -52,6 +52,8 @@ class Config(_Section):
         if self.learner.context_parallel > 1 and self.loss.importance_level == "sequence":
             # A CP rank holds only part of each sequence, so it cannot form the sequence's importance ratio alone.
             raise ValueError("loss.importance_level: 'sequence' is not supported with learner.context_parallel > 1")
+        if self.learner.context_parallel > 1 and self.loss.surrogate == "gspo":
+            raise ValueError("loss.surrogate: 'gspo' needs whole sequences on a rank (learner.context_parallel 1)")
         self._check_nodes()
         return self
 

@@ -146,6 +146,12 @@ class LossConfig(_Section):
         description="Off-policy correction: truncated IS, masked IS, AReaL decoupled PPO, or plain PPO on "
         "the behaviour log-probs (see streamrl/loss/importance.py).",
     )
+    surrogate: Literal["ppo", "gspo", "cispo"] = Field(
+        "ppo",
+        description="Policy-gradient surrogate: ppo (clipped token ratio), gspo (clipped geometric-mean ratio of each "
+        "sequence) or cispo (the clipped ratio, without gradient, weighs the gradient of log pi); see "
+        "streamrl/loss/grpo.py.",
+    )
     importance_level: Literal["token", "sequence"] = Field(
         "token", description="Importance ratio per token, or per sequence (product over its tokens)."
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamrl.loss.importance import importance_weights
+from streamrl.loss.importance import importance_weights, sequence_sums
 
 
 def grpo_advantages(rewards: np.ndarray, std: str = "population", eps: float = 1e-6) -> np.ndarray:
@@ -52,6 +52,41 @@ class PolicyLossStats:
     importance_weight_max: float = 0.0  # largest importance weight of a response token (a max, not a sum)
 
 
+SURROGATES = ("ppo", "gspo", "cispo")
+
+
+def surrogate_terms(
+    surrogate: str,
+    logp: torch.Tensor,
+    anchor: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio, per-token loss before the importance weight) of `loss.surrogate`:
+    - `ppo`: r_t = pi/pi_old per token, loss_t = -min(r_t A, clip(r_t, 1-eps, 1+eps) A);
+    - `gspo` (GSPO): the sequence's geometric-mean ratio s = exp(mean_t log(pi/pi_old)) in place of r_t, clipped the
+      same way, so a sequence is kept or clipped whole;
+    - `cispo` (CISPO): loss_t = -sg(min(r_t, 1+eps)) A log pi: the clipped ratio only weighs the gradient of log pi,
+      so no token's gradient is dropped."""
+    if surrogate not in SURROGATES:
+        raise ValueError(f"loss.surrogate: unknown {surrogate!r}; choose one of {SURROGATES}")
+    log_ratio = logp - anchor.detach()
+    if surrogate == "cispo":
+        ratio = torch.exp(log_ratio)
+        return ratio, -ratio.clamp(max=1.0 + clip_eps).detach() * advantages * logp
+    if surrogate == "gspo":
+        if cu_seqlens is None:
+            raise ValueError("loss.surrogate: 'gspo' needs packed micro-batches (cu_seqlens)")
+        maskf = mask.to(logp.dtype)
+        tokens = sequence_sums(maskf, cu_seqlens).clamp_min(1.0)
+        log_ratio = sequence_sums(log_ratio * maskf, cu_seqlens) / tokens
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    return ratio, -torch.minimum(ratio * advantages, clipped)
+
+
 def policy_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -63,17 +98,17 @@ def policy_loss(
     variant: str = "tis",
     level: str = "token",
     cu_seqlens: torch.Tensor | None = None,
+    surrogate: str = "ppo",
 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """Scalar loss contribution of one micro-batch and its statistics (`variant`/`level`: see importance.py)."""
+    """Scalar loss contribution of one micro-batch and its statistics (`variant`/`level`: see importance.py;
+    `surrogate`: see `surrogate_terms`)."""
     mask = loss_weight > 0
     # Plain PPO treats the (stale) behaviour policy as the old policy; the others clip around the proximal one.
     anchor = logp_behaviour if variant == "ppo_behaviour" else logp_old
-    ratio = torch.exp(logp - anchor.detach())
     log_w = (logp_old - logp_behaviour).detach()
     importance, capped = importance_weights(log_w, mask, variant, importance_cap, level, cu_seqlens)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    per_token = -importance * torch.minimum(unclipped, clipped)
+    ratio, per_token = surrogate_terms(surrogate, logp, anchor, advantages, mask, clip_eps, cu_seqlens)
+    per_token = importance * per_token
     loss = (per_token * loss_weight).sum()
     with torch.no_grad():
         maskf = mask.float()

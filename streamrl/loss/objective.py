@@ -46,6 +46,7 @@ def microbatch_objective(
         cfg.policy_loss,
         cfg.importance_level,
         as_t(mb.cu_seqlens),
+        cfg.surrogate,
     )
     extra, regularizers = regularization_loss(
         logp, weight, entropy, ref_logp, cfg.entropy_coef, cfg.kl_coef, cfg.kl_estimator

@@ -71,3 +71,51 @@ def test_advantage_scales() -> None:
     np.testing.assert_allclose(grpo_advantages(rewards, "unbiased"), centred / rewards.std(ddof=1), rtol=1e-5)
     with pytest.raises(ValueError, match="loss.std"):
         grpo_advantages(rewards, "median")
+
+
+def _row() -> dict[str, torch.Tensor]:
+    """A packed row of two sequences ({0, 1} and {2}) whose ratios fall inside and outside the clip range."""
+    return {
+        "logp": torch.tensor([[-1.0, -0.5, -2.0]], requires_grad=True),
+        "old": torch.tensor([[-1.2, -0.6, -1.5]]),
+        "adv": torch.tensor([[0.8, 0.8, -1.5]]),
+        "weight": torch.tensor([[0.25, 0.25, 0.5]]),
+        "cu": torch.tensor([0, 2, 3]),
+    }
+
+
+def _grad(surrogate: str, row: dict[str, torch.Tensor], eps: float = 0.2) -> torch.Tensor:
+    loss, _ = policy_loss(row["logp"], row["old"], row["old"], row["adv"], row["weight"], eps, 2.0, "tis",
+                          "token", row["cu"], surrogate)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, row["logp"])
+    return grad
+
+
+@pytest.mark.parametrize("surrogate", ["ppo", "gspo", "cispo"])
+def test_each_surrogate_matches_its_hand_written_gradient(surrogate: str) -> None:
+    row, eps = _row(), 0.2
+    logp, old, adv, weight = row["logp"], row["old"], row["adv"], row["weight"]
+    # The same objectives written out term by term (pi_old == pi_behaviour, so every importance weight is 1).
+    if surrogate == "ppo":
+        r = torch.exp(logp - old)
+        reference = -(torch.minimum(r * adv, r.clamp(1 - eps, 1 + eps) * adv) * weight).sum()
+    elif surrogate == "gspo":
+        s1 = torch.exp(((logp[0, 0] - old[0, 0]) + (logp[0, 1] - old[0, 1])) / 2)
+        s2 = torch.exp(logp[0, 2] - old[0, 2])
+        term1 = -torch.minimum(s1 * adv[0, 0], s1.clamp(1 - eps, 1 + eps) * adv[0, 0])
+        term2 = -torch.minimum(s2 * adv[0, 2], s2.clamp(1 - eps, 1 + eps) * adv[0, 2])
+        reference = term1 * (weight[0, 0] + weight[0, 1]) + term2 * weight[0, 2]
+    else:
+        r = torch.exp(logp - old).detach()
+        reference = -(r.clamp(max=1 + eps) * adv * logp * weight).sum()
+    (expected,) = torch.autograd.grad(reference, logp)
+    torch.testing.assert_close(_grad(surrogate, _row(), eps), expected)
+
+
+def test_gspo_clips_a_sequence_whole_and_cispo_keeps_every_gradient() -> None:
+    row = _row()
+    row["old"] = torch.tensor([[-2.0, -1.5, -2.05]])  # sequence 1: ratio e^1, clipped (A > 0); sequence 2: e^0.05
+    gspo = _grad("gspo", row)
+    assert gspo[0, 0] == 0 and gspo[0, 1] == 0 and gspo[0, 2] != 0  # the whole sequence is clipped
+    cispo = _grad("cispo", _row() | {"old": row["old"]})
+    assert torch.all(cispo != 0)  # clipping only bounds the weight of each token's gradient
