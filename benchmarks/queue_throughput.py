@@ -11,9 +11,9 @@ core of its own (the first CPU; the producers and the reader share the others), 
 the 2-core VM, with all of them sharing both cores, single runs of the raw loop spread over a factor of 2 and the
 scheduler, more than either mode, set the result (`--shared-cores` measures that way). streamrl mode: the path
 engines use, groups put one by one into a rollout `Outbox` (capacity 8, as full as an engine keeps it) whose thread
-sends what waits with `TrajectoryProducer.push` (encode, the token arrays sent as they are; into a backlog more
-than half full, claim places first, in the round trip of the wait for the room baton when it was full; then one round
-trip: a MULTI/EXEC transaction per MB of groups, of their XADDs and the admit script, which keeps them
+appends what waits with `TrajectoryProducer.try_push` and waits on the room baton while nothing fits (encode, the
+token arrays sent as they are; into a backlog more than half full, claim places first; then one round trip: a
+MULTI/EXEC transaction per MB of groups, of their XADDs and the admit script, which keeps them
 under the backlog bound and idempotent) and `TrajectoryConsumer.read` + `commit` (XREADGROUP, decode,
 then one atomic script call for XACK/XDEL/SADD and the push markers, which under load also keeps two
 reads' worth of entries read ahead in its round trip and decodes the next read's groups while it is in
