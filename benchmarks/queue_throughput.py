@@ -103,12 +103,12 @@ def producer_main(url: str, password: str, jobs: Queue, ready: Queue, go: Event)
                 pipe.execute()
             else:
                 for group in groups[start : start + BATCH]:
-                    while outbox.full():  # as an engine does: no new prompts while its outbox is full
-                        time.sleep(0.0002)
+                    while not outbox.wait_for_space(1.0):  # as an engine does: nothing new while it is full
+                        outbox.check()
                     outbox.put(group)
         if outbox is not None:
-            while outbox.held():
-                time.sleep(0.0002)
+            while not outbox.drain(1.0):
+                outbox.check()
             outbox.check()
             outbox.close()
         ready.put("done")

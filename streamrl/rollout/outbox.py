@@ -51,6 +51,17 @@ class Outbox:
     def full(self) -> bool:
         return self.held() >= self.capacity
 
+    def wait_for_space(self, timeout_s: float) -> bool:
+        """Block until the outbox holds fewer than `capacity` groups (True) or `timeout_s` passes (False); for a
+        caller with nothing else to do, unlike the engine's loop, which keeps decoding instead."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._waiting) + self._in_push < self.capacity, timeout_s)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Block until every group put is in the stream (True) or `timeout_s` passes (False)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._waiting and not self._in_push, timeout_s)
+
     def check(self) -> None:
         """Raise the error that stopped the pusher, if any."""
         if self._error is not None:
@@ -80,6 +91,7 @@ class Outbox:
             finally:
                 with self._changed:
                     self._in_push = 0
+                    self._changed.notify_all()
             self.groups_pushed += len(batch)
 
     def _push(self, batch: list[TrajectoryGroup]) -> None:

@@ -94,3 +94,18 @@ def test_a_batch_larger_than_the_room_left_reaches_a_consumer_that_waits_for_a_w
         assert sorted(c.group.group_id for c in step + rest) == [f"g{i}" for i in range(7)]
     finally:
         outbox.close()
+
+
+def test_waiting_for_space_and_draining(redis_server, queue_keys) -> None:
+    client = connect(redis_server.url, redis_server.password)
+    outbox = Outbox(TrajectoryProducer(client, queue_keys, max_backlog=2, wait_timeout_s=5.0), capacity=2)
+    consumer = TrajectoryConsumer(connect(redis_server.url, redis_server.password), queue_keys, "c", 60_000, 1 << 20)
+    try:
+        assert outbox.wait_for_space(0.1)
+        for seed in range(4):
+            outbox.put(make_group([1], seed=seed))
+        assert not outbox.wait_for_space(0.3) and not outbox.drain(0.3)  # two wait for room the learner frees
+        consumer.commit(consumer.read(2, 100))
+        assert outbox.drain(5.0) and outbox.held() == 0
+    finally:
+        outbox.close()
