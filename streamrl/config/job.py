@@ -35,6 +35,7 @@ class TinyModelInit(_Section):
     preset: Literal["tiny", "small", "medium"] = Field(
         "tiny", description="Shape preset (streamrl.models.tiny.PRESETS; medium: ~0.2B, for GPUs)."
     )
+    tie_word_embeddings: bool = Field(False, description="Share the input embedding with the output layer.")
 
 
 class ModelConfig(_Section):

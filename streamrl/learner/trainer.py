@@ -28,7 +28,7 @@ from streamrl.config import Config
 from streamrl.learner.context_parallel import padded_cu_seqlens, shard_microbatch, zigzag_columns
 from streamrl.learner.hf.convert import load_hf_weights
 from streamrl.learner.model.gpt import build_model_chunks
-from streamrl.learner.model.logprobs import sample_at_temperature
+from streamrl.learner.model.logprobs import score_as_sampled
 from streamrl.learner.model.moe import num_experts
 from streamrl.learner.model.router_stats import RouterLoad
 from streamrl.learner.optimizer import build_training
@@ -61,11 +61,12 @@ class Trainer:
         )
         for chunk in self.chunks:
             load_hf_weights(chunk, hf_state, hf_config)
-        sample_at_temperature(self.chunks, config.rollout.temperature)
+        score_as_sampled(self.chunks, config.rollout.temperature, config.rollout.top_p)
         self.reference_chunks = (
             reference_chunks(hf_config, hf_state, learner.last_stage_layers) if config.loss.kl_coef > 0 else []
         )
-        sample_at_temperature(self.reference_chunks, config.rollout.temperature)  # the KL compares like with like
+        # The KL compares like with like.
+        score_as_sampled(self.reference_chunks, config.rollout.temperature, config.rollout.top_p)
         self.router_load = RouterLoad(self.chunks) if num_experts(hf_config) else None
         self.device = next(self.chunks[0].parameters()).device
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)

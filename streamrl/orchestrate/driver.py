@@ -54,7 +54,13 @@ def ensure_model(config: Config) -> None:
     if init is not None and not (config.model.path / "config.json").exists():
         from streamrl.models import write_tiny_model
 
-        write_tiny_model(config.model.path, init.arch, init.preset, seed=config.run.seed)
+        write_tiny_model(
+            config.model.path,
+            init.arch,
+            init.preset,
+            seed=config.run.seed,
+            tie_word_embeddings=init.tie_word_embeddings,
+        )
     if not (config.model.path / "config.json").exists():
         raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
 

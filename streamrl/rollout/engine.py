@@ -12,7 +12,7 @@ Contract
   had at that step; `pop_finished()` hands back completed requests as lists of `Sample`s.
   `Sample.logprobs[i]` is the behaviour log-prob of `token_ids[i]` as sampled (`logprobs_mode="processed_logprobs"`:
   after temperature, and top-p/top-k renormalisation when set); the learner scores at the same temperature
-  (`streamrl.learner.model.logprobs.sample_at_temperature`).
+  and top-p (`streamrl.learner.model.logprobs.score_as_sampled`).
 - `generate(...)` and `score(...)` are built on the same request table, so they can run while
   other requests are in flight without stealing their outputs.
 - `load_weights(version, tensors)` applies one complete version (HF names) through

@@ -25,6 +25,9 @@ into every worker; its methods run there through `LLM.collective_rpc`:
   `streamrl_stream_bucket(tensors)` swaps one arrived bucket in; `streamrl_stream_end(commit)` keeps the new
   weights (True) or swaps every bucket back and answers False (not committed, or a bucket the plan did not
   know: the caller then loads the staged version the ordinary way).
+- After every load, whichever way, `refresh_derived_weights` brings up to date the copies vLLM computes with beyond
+  the loaded parameters: the CPU MoE kernel's prepacked experts, and a tied output layer (re-pointed at the
+  embedding, its CPU oneDNN handle rebuilt), which vLLM's reload would otherwise leave at the first version.
 - `streamrl_weight_checksum()` returns the float64 sum of every parameter of the live model
   (a cheap "did the weights change" probe for tests).
 
@@ -101,6 +104,36 @@ def _repack_cpu_moe_experts(model: torch.nn.Module) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+def _retie_output_layer(model: torch.nn.Module) -> None:
+    """Point a tied output layer at the embedding again, and redo its CPU prepacking.
+
+    With tied embeddings the checkpoint has no `lm_head.weight`: vLLM's layerwise reload loads nothing into the
+    output layer and puts its old kernel tensors back, so it would keep sampling from the first version's embedding
+    (after two publishes, 0.5 nats per token off on a tiny Qwen3). Re-tying makes every later load (layerwise,
+    planned or streamed) reach it through the embedding; on CPU its oneDNN handle is rebuilt from the new weight.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    embeddings = [
+        m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    ]
+    if len(heads) != 1 or len(embeddings) != 1:
+        raise RuntimeError(
+            f"tied embeddings: expected one output layer and one embedding, found {len(heads)} and {len(embeddings)}"
+        )
+    head, embedding = heads[0], embeddings[0]
+    head.weight = embedding.weight
+    head.quant_method.process_weights_after_loading(head)
+
+
+def refresh_derived_weights(model: torch.nn.Module, tied: bool) -> None:
+    """Bring every copy vLLM computes with, beyond the loaded parameters, up to date; once after each load."""
+    _repack_cpu_moe_experts(model)
+    if tied:
+        _retie_output_layer(model)
+
+
 class WeightReloadExtension:
     """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
 
@@ -116,18 +149,18 @@ class WeightReloadExtension:
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         plan: CopyPlan | None = getattr(self, "_streamrl_copy_plan", None)
-        # Each way ends in exactly one CPU-kernel repack per load (a second one would pack packed weights).
+        # Each way ends in exactly one refresh per load (a second CPU MoE repack would pack packed weights).
         with torch.no_grad():
             if plan is not None and plan.matches(tensors):
                 plan.replay(tensors)
-                _repack_cpu_moe_experts(model)
+                self._streamrl_refresh(model)
                 path = "planned"
             elif not hasattr(self, "_streamrl_copy_plan"):
                 self._streamrl_copy_plan = self._streamrl_record_plan(model, tensors)  # repacks after each load
                 path = "layerwise"
             else:
                 self._streamrl_layerwise_load(model, tensors)
-                _repack_cpu_moe_experts(model)
+                self._streamrl_refresh(model)
                 path = "layerwise"
         return {
             "num_tensors": len(tensors),
@@ -148,14 +181,14 @@ class WeightReloadExtension:
         weights just loaded changes none of them (then it does what the layerwise reload does)."""
         if self.vllm_config.model_config.quantization is not None:  # type: ignore[attr-defined]
             self._streamrl_layerwise_load(model, tensors)
-            _repack_cpu_moe_experts(model)
+            self._streamrl_refresh(model)
             self._streamrl_plan_status = "refused: quantized model"
             return None
         plan, reason = CopyPlan.record_checked(
             lambda: self._streamrl_layerwise_load(model, tensors),
             tensors,
             [*model.parameters(), *model.buffers()],
-            finish=lambda: _repack_cpu_moe_experts(model),
+            finish=lambda: self._streamrl_refresh(model),
         )
         self._streamrl_plan_status = "recorded" if plan is not None else f"refused: {reason}"
         if plan is None:
@@ -163,6 +196,10 @@ class WeightReloadExtension:
         else:
             logger.info("weights: copy plan of %d copies recorded; later versions load with it", len(plan.sources))
         return plan
+
+    def _streamrl_refresh(self, model: torch.nn.Module) -> None:
+        hf_config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+        refresh_derived_weights(model, bool(getattr(hf_config, "tie_word_embeddings", False)))
 
     def streamrl_stream_begin(self) -> bool:
         plan: CopyPlan | None = getattr(self, "_streamrl_copy_plan", None)
@@ -180,7 +217,7 @@ class WeightReloadExtension:
         stream, self._streamrl_stream = self._streamrl_stream, None
         with torch.no_grad():
             if commit and stream.broken is None:
-                _repack_cpu_moe_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
+                self._streamrl_refresh(self.model_runner.get_model())  # type: ignore[attr-defined]
                 return True
             if stream.broken is not None:
                 logger.warning("weights: streamed load undone (%s)", stream.broken)

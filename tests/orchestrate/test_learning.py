@@ -2,7 +2,8 @@
 
 The reward can only rise if rollout → queue → learner → publish → rollout all work: a learner whose
 weights never reach the engine cannot change what the engine samples. `test_logprob_parity` checks
-that after publishes from a TP=1 and a TP=2 learner the engine's log-probs equal the learner's.
+that after publishes from each learner layout (and with tied embeddings, and Qwen2's QKV bias) the engine's
+log-probs equal the learner's.
 """
 
 from pathlib import Path
@@ -61,8 +62,16 @@ def test_learning(tmp_path: Path) -> None:
         ["learner.pipeline_parallel=2"],
         # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
         ["learner.context_parallel=2"],
+        # Tied embeddings: vLLM's reload loads nothing into the output layer, which must follow the embedding.
+        ["model.init_if_missing.tie_word_embeddings=true"],
+        # Qwen2 (QKV bias), tied, from a TP=2 learner.
+        [
+            "model.init_if_missing.arch=qwen2",
+            "model.init_if_missing.tie_word_embeddings=true",
+            "learner.tensor_parallel=2",
+        ],
     ],
-    ids=["tp1-streamed", "tp2-drain", "moe-ep2", "pp2", "cp2"],
+    ids=["tp1-streamed", "tp2-drain", "moe-ep2", "pp2", "cp2", "tied-tp1", "tied-qwen2-tp2"],
 )
 def test_logprob_parity(tmp_path: Path, layout: list[str]) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""

@@ -30,6 +30,10 @@ vocabulary shard of the logits (under sequence parallelism the output layer has 
 for the cross-entropy), from which `streamrl.learner.model.vocab_parallel` computes both the log-probs and the
 entropy of each position's next-token distribution, still without gathering the vocabulary. The labels path stays the
 default: Megatron's cross-entropy works in place in the logits' buffer and skips the entropy's extra reduction.
+
+Sampling distribution (`score_as_sampled(chunks, temperature, top_p)`): the chunks then score what the engines
+sample, the softmax of logits / temperature over the top-p nucleus (plus the label: `vocab_parallel.nucleus_keep`),
+which is what vLLM's processed log-probs are. With top_p < 1 the last stage always takes the logits path.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_attr_wrapped_model
 
 from streamrl.learner.context_parallel import zigzag_columns
-from streamrl.learner.model.vocab_parallel import vocab_parallel_logprob_entropy
+from streamrl.learner.model.vocab_parallel import nucleus_keep, vocab_parallel_logprob_entropy
 from streamrl.types import MicroBatch
 
 
@@ -159,13 +163,23 @@ def model_forward(
         model, [input_ids.to(device), position_ids.to(device), labels.to(device)], packing
     )
     mask = causal_attention_mask(input_ids.shape[1], device) if packing is None else None
+    top_p = _top_p(model)
     # A chunk after the first takes its input from the previous stage (`set_input_tensor`) and ignores input_ids.
-    if not with_entropy:
+    if not with_entropy and top_p == 1.0:
         return model(input_ids, position_ids, mask, labels=labels, packed_seq_params=packing)
     output = model(input_ids, position_ids, mask, packed_seq_params=packing)
     if not get_attr_wrapped_model(model, "post_process"):
         return output  # hidden states for the next stage
-    return vocab_parallel_logprob_entropy(output, labels)  # from the logits' vocabulary shard [B, S', V/tp]
+    keep = None if top_p == 1.0 else nucleus_keep(output, labels, top_p)
+    logp, entropy = vocab_parallel_logprob_entropy(output, labels, keep)  # from the logits' vocabulary shard
+    return (logp, entropy) if with_entropy else -logp  # without entropy: the cross-entropy, as Megatron returns it
+
+
+def _top_p(model: torch.nn.Module) -> float:
+    """The nucleus `score_as_sampled` set on this chunk (under its DDP wrappers); 1.0 if none."""
+    while not hasattr(model, "sampling_top_p") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "sampling_top_p", 1.0)
 
 
 def microbatch_logprobs(model: GPTModel, mb: MicroBatch) -> torch.Tensor:
@@ -182,11 +196,14 @@ def microbatch_forward(model: GPTModel, mb: MicroBatch, with_entropy: bool = Fal
     )
 
 
-def sample_at_temperature(chunks: list[GPTModel], temperature: float) -> None:
-    """Make the chunks' log-probs those of the engines' sampling distribution at `temperature` (`rollout.temperature`):
-    the output layer's logits are divided by it before any log-softmax, on both the cross-entropy and the entropy
-    path. The engines report processed log-probs (after temperature), so the importance weights compare like with
-    like. A no-op at temperature 1 and on chunks without the output layer."""
+def score_as_sampled(chunks: list[GPTModel], temperature: float, top_p: float) -> None:
+    """Make the chunks' log-probs those of the engines' sampling distribution (`rollout.temperature`, `rollout.top_p`):
+    the output layer's logits are divided by the temperature before any log-softmax, on both the cross-entropy and
+    the entropy path, and with top_p < 1 the softmax runs over the nucleus (see the module docstring). The engines
+    report processed log-probs (after temperature and top-p), so the importance weights compare like with like.
+    Nothing changes at temperature 1 and top_p 1."""
+    for chunk in chunks:
+        chunk.sampling_top_p = top_p
     if temperature == 1.0:
         return
 

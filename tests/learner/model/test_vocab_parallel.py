@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.learner.model.vocab_parallel import vocab_parallel_logprob_entropy
+from streamrl.learner.model.vocab_parallel import nucleus_keep, vocab_parallel_logprob_entropy
 
 
 def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,3 +52,38 @@ def test_labels_must_match_the_logits(tp1_world: None) -> None:
     logits, labels = _inputs(torch.float32)
     with pytest.raises(ValueError, match="labels"):
         vocab_parallel_logprob_entropy(logits, labels[:, :-1])
+
+
+def test_the_nucleus_is_vllms_plus_the_label(tp1_world: None) -> None:
+    """`nucleus_keep` keeps what vLLM's top-p sampler keeps (its own function is the reference), and the label."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    logits, _ = _inputs(torch.float32)
+    flat = logits.reshape(-1, 64)
+    sampled = apply_top_k_top_p_pytorch(flat.clone(), None, torch.full((flat.shape[0],), 0.9), allow_cpu_sync=True)
+    vllm_keeps = torch.isfinite(sampled).reshape(logits.shape)
+    assert 1 <= int(vllm_keeps.sum(-1).min()) and int(vllm_keeps.sum(-1).max()) < 64  # peaked and flat rows differ
+    inside = vllm_keeps.float().argmax(-1)  # a token of each nucleus
+    assert torch.equal(nucleus_keep(logits, inside, 0.9, chunk_elements=3 * 64), vllm_keeps)  # chunks of 3 rows
+    outside = (~vllm_keeps).float().argmax(-1)
+    keep = nucleus_keep(logits, outside, 0.9)
+    assert torch.equal(keep & ~vllm_keeps, torch.nn.functional.one_hot(outside, 64).bool() & ~vllm_keeps)
+
+
+def test_kept_entries_are_the_whole_distribution(tp1_world: None) -> None:
+    """With a keep mask, log-prob and entropy are those of the softmax over the kept entries (float64, values and
+    gradients); dropped entries get no gradient."""
+    logits, labels = _inputs(torch.float64)
+    keep = nucleus_keep(logits, labels, 0.8)
+    assert bool((~keep).any())
+    mine, full = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    logp, entropy = vocab_parallel_logprob_entropy(mine, labels, keep)
+    log_probs = torch.log_softmax(full.masked_fill(~keep, float("-inf")), dim=-1)
+    expected_logp = log_probs.gather(-1, labels[..., None])[..., 0]
+    expected_entropy = -(log_probs.exp() * log_probs.masked_fill(~keep, 0.0)).sum(-1)
+    torch.testing.assert_close(logp, expected_logp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=1e-12)
+    (logp + 0.3 * entropy).sum().backward()
+    (expected_logp + 0.3 * expected_entropy).sum().backward()
+    torch.testing.assert_close(mine.grad, full.grad, rtol=0, atol=1e-12)
+    assert bool((mine.grad[~keep] == 0).all())
