@@ -127,9 +127,10 @@ class ConsumedGroup:
 class MicroBatch:
     """One forward/backward of the learner: n sequences packed into one row [1, T], no padding.
 
-    Sequence i spans columns `cu_seqlens[i]:cu_seqlens[i+1]`; column j predicts `labels[0, j]` from the inputs of
-    its own sequence up to j (attention never crosses a boundary). Fields are zero where `loss_weight` is zero
-    (prompt positions; the single token of a filler micro-batch, which only evens out micro-batch counts).
+        Sequence i spans columns `cu_seqlens[i]:cu_seqlens[i+1]`; column j predicts `labels[0, j]` from the inputs of
+        its own sequence up to j (attention never crosses a boundary). Fields are zero where `loss_weight` is zero
+        (prompt positions; the single token of a filler micro-batch, which only evens out micro-batch counts), but
+    `behaviour_versions`, which means something only where `loss_weight` is not zero.
     """
 
     input_ids: np.ndarray  # int64[1, T]   each sequence's prompt + response tokens but its last, concatenated
@@ -138,4 +139,5 @@ class MicroBatch:
     loss_weight: np.ndarray  # float32[1, T] share of the global-step loss (sums to 1 over the step)
     advantages: np.ndarray  # float32[1, T] GRPO advantage of the sequence's response
     behaviour_logprobs: np.ndarray  # float32[1, T] engine logprob of each label (response positions)
+    behaviour_versions: np.ndarray  # int32[1, T]  policy version each label was sampled under (response positions)
     cu_seqlens: np.ndarray  # int32[n+1]    sequence boundaries in the row: 0 = cu_seqlens[0] < ... < cu_seqlens[n] = T

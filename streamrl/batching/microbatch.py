@@ -28,6 +28,7 @@ class _Sequence:
     response_start: int  # index of the first response token in `tokens`
     advantage: float
     behaviour_logprobs: np.ndarray  # float32[T]
+    behaviour_versions: np.ndarray  # int32[T]
     weight: float  # loss weight of each of its response tokens
 
 
@@ -47,14 +48,14 @@ def _sequences(groups: list[TrajectoryGroup], normalization: str, advantage_std:
         length = len(traj.response_ids)
         weight = 1.0 / total_tokens if normalization == "token_mean" else 1.0 / (length * len(responses))
         tokens = np.concatenate([group.prompt_ids, traj.response_ids]).astype(np.int64)
-        seqs.append(_Sequence(tokens, len(group.prompt_ids), float(adv), traj.logprobs, weight))
+        seqs.append(_Sequence(tokens, len(group.prompt_ids), float(adv), traj.logprobs, traj.versions, weight))
     return seqs
 
 
 def filler_microbatch() -> MicroBatch:
     """A single zero-weight token: evens out micro-batch counts (between ranks, or for a pipeline schedule)."""
-    zero_i, zero_f = np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32)
-    return MicroBatch(zero_i, zero_i, zero_i, zero_f, zero_f, zero_f, np.array([0, 1], np.int32))
+    zero_i, zero_f, none = np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), np.full((1, 1), -1, np.int32)
+    return MicroBatch(zero_i, zero_i, zero_i, zero_f, zero_f, zero_f, none, np.array([0, 1], np.int32))
 
 
 def _collate(seqs: list[_Sequence]) -> MicroBatch:
@@ -66,9 +67,11 @@ def _collate(seqs: list[_Sequence]) -> MicroBatch:
     loss_weight = np.zeros(cu_seqlens[-1], np.float32)
     advantages = np.zeros(cu_seqlens[-1], np.float32)
     behaviour = np.zeros(cu_seqlens[-1], np.float32)
+    versions = np.full(cu_seqlens[-1], -1, np.int32)
     for start, s in zip(cu_seqlens[:-1].tolist(), seqs, strict=True):
         resp = slice(start + s.response_start - 1, start + len(s.tokens) - 1)  # positions predicting the response
         loss_weight[resp], advantages[resp], behaviour[resp] = s.weight, s.advantage, s.behaviour_logprobs
+        versions[resp] = s.behaviour_versions
     positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], lengths)
     row = lambda parts: np.concatenate(parts)[None]  # [T] -> [1, T]
     return MicroBatch(
@@ -78,6 +81,7 @@ def _collate(seqs: list[_Sequence]) -> MicroBatch:
         loss_weight=loss_weight[None],
         advantages=advantages[None],
         behaviour_logprobs=behaviour[None],
+        behaviour_versions=versions[None],
         cu_seqlens=cu_seqlens,
     )
 

@@ -106,6 +106,18 @@ class TrainConfig(_Section):
     resume: bool = Field(
         True, description="Start from run.dir/checkpoints/latest when it exists (model, optimizer, step, version)."
     )
+    parity_every: int = Field(
+        0,
+        ge=0,
+        description="Every this many steps, compare the engines' log-probs with the learner's on the tokens sampled "
+        "with the weights the step starts from, and fail the job past train.parity_tolerance; 0 never checks.",
+    )
+    parity_tolerance: float = Field(
+        1e-3,
+        gt=0.0,
+        description="Largest mean |engine - learner| log-prob per token that train.parity_every accepts "
+        "(float32 on CPU: ~1e-6 measured; bf16 engines and learner need more, e.g. 0.02).",
+    )
 
 
 class WandbConfig(_Section):

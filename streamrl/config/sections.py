@@ -54,6 +54,8 @@ class Config(_Section):
             raise ValueError("loss.importance_level: 'sequence' is not supported with learner.context_parallel > 1")
         if self.learner.context_parallel > 1 and self.loss.surrogate == "gspo":
             raise ValueError("loss.surrogate: 'gspo' needs whole sequences on a rank (learner.context_parallel 1)")
+        if self.train.parity_every > 0 and self.train.publish_lag > 0:
+            raise ValueError("train.parity_every: engines serve lagged weights under train.publish_lag; set one to 0")
         self._check_nodes()
         return self
 

@@ -32,6 +32,7 @@ from streamrl.learner.model.logprobs import score_as_sampled
 from streamrl.learner.model.moe import num_experts
 from streamrl.learner.model.router_stats import RouterLoad
 from streamrl.learner.optimizer import build_training
+from streamrl.learner.parity import ParityCheck
 from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
 from streamrl.learner.pipeline import run_microbatches
 from streamrl.learner.reference import reference_chunks, reference_logprobs
@@ -73,6 +74,7 @@ class Trainer:
         self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         # Megatron's DDP wrappers (what the schedule runs) and optimizer; self.chunks stay the weights' owners.
         self.training = build_training(self.chunks, config.optimizer)
+        self.parity = ParityCheck(config.train.parity_every, config.train.parity_tolerance)
 
     def _microbatch_loss(
         self,
@@ -107,9 +109,10 @@ class Trainer:
         dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         return [(part, 1.0 / total if total > 0 else 0.0) for part, total in zip(parts, sums.tolist(), strict=True)]
 
-    def train(self, microbatches: list[MicroBatch]) -> TrainResult:
-        """One step over this rank's micro-batches (a collective over the learner world): one optimizer update, or
-        `loss.epochs` x `loss.mini_batches` of them against the log-probs of the step's starting weights (PPO)."""
+    def train(self, microbatches: list[MicroBatch], step: int, version: int) -> TrainResult:
+        """Step `step` over this rank's micro-batches (a collective over the learner world), starting from the weights
+        published as `version`: one optimizer update, or `loss.epochs` x `loss.mini_batches` of them against the
+        log-probs of the step's starting weights (PPO); on `train.parity_every` steps also the parity check."""
         loss_config = self.config.loss
         timer = StepTimer(self.device)
         totals = StepStats()
@@ -119,9 +122,15 @@ class Trainer:
             with timer.phase("reference_forward"):
                 reference = reference_logprobs(self.reference_chunks, shards)
         updates = loss_config.mini_batches * loss_config.epochs
-        if updates > 1:  # pi_old: the step's starting weights, fixed while the updates move pi_theta away
+        check_parity = self.parity.due(step)
+        if updates > 1 or check_parity:  # pi_old: the step's starting weights, fixed while the updates move pi_theta
             with timer.phase("old_logprobs_forward"):
-                old = reference_logprobs(self.chunks, shards)
+                start_logp = reference_logprobs(self.chunks, shards)
+            old = start_logp if updates > 1 else None
+        parity = {}
+        if check_parity:
+            counted = start_logp if ps.get_tensor_model_parallel_rank() == 0 else {}
+            parity = self.parity.measure(counted, shards, version, self.device)
         parts = self._mini_batches(shards) if updates > 1 else [(shards, 1.0)]
         if self.router_load is not None:
             self.router_load.reset()
@@ -148,7 +157,9 @@ class Trainer:
         # the FLOPs once per data-parallel replica, on its last stage (which also holds the loss statistics).
         if self.last_stage and self.cp_rank == 0:
             # Each epoch is three forwards' worth (forward + backward); each extra forward-only pass adds one.
-            passes = loss_config.epochs + (1 / 3 if self.reference_chunks else 0.0) + (1 / 3 if old else 0.0)
+            passes = (
+                loss_config.epochs + (1 / 3 if self.reference_chunks else 0.0) + (1 / 3 if check_parity or old else 0.0)
+            )
             totals.flops = passes * training_flops(flops_cost_model(self.hf_config), microbatches)
         totals = totals.reduce(
             ps.get_data_parallel_group(with_context_parallel=True), ps.get_pipeline_model_parallel_group(), self.device
@@ -156,7 +167,7 @@ class Trainer:
         peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         moe = self.router_load.metrics() if self.router_load is not None else {}
-        metrics = moe | self._perf_metrics(timer, totals.flops, float(peak)) | {"train/updates": updates}
+        metrics = moe | parity | self._perf_metrics(timer, totals.flops, float(peak)) | {"train/updates": updates}
         return TrainResult(totals, grad_norm, metrics)
 
     def _perf_metrics(self, timer: StepTimer, flops: float, peak_gib: float) -> dict[str, float]:
@@ -182,6 +193,7 @@ class Trainer:
             weight,
             weight,
             weight,
+            np.full((1, n), -1, np.int32),
             np.array([0, n], np.int32),
         )
         shard = shard_microbatch(mb, self.cp_size, self.cp_rank)

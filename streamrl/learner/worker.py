@@ -62,7 +62,7 @@ class LearnerWorker:
         """One optimizer step on the next step's groups (every rank); rank 0 commits them and returns the metrics."""
         start = time.perf_counter()
         step = self.steps.next_step(self.version)
-        result = self.trainer.train(step.microbatches)
+        result = self.trainer.train(step.microbatches, self.version + 1, self.version)
         dist.barrier()  # every rank has applied its update before the data is acked
         self.version += 1
         if self.rank != 0:

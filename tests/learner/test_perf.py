@@ -16,7 +16,7 @@ def _packed(lengths: list[int]) -> MicroBatch:
     zeros = np.zeros((1, total), np.float32)
     ids = np.zeros((1, total), np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return MicroBatch(ids, ids, ids, zeros, zeros, zeros, cu)
+    return MicroBatch(ids, ids, ids, zeros, zeros, zeros, zeros.astype(np.int32), cu)
 
 
 def test_training_flops_are_three_forwards_per_sequence() -> None:

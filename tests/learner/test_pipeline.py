@@ -42,7 +42,8 @@ def _microbatches() -> list[MicroBatch]:
         weight = (gen.uniform(0.5, 1.5, cu[-1]).astype(np.float32) / total)[None]
         zeros = np.zeros((1, cu[-1]), np.float32)
         ids, labels = row([t[:-1] for t in tokens], np.int64), row([t[1:] for t in tokens], np.int64)
-        out.append(MicroBatch(ids, labels, row([np.arange(n) for n in lengths], np.int64), weight, zeros, zeros, cu))
+        positions = row([np.arange(n) for n in lengths], np.int64)
+        out.append(MicroBatch(ids, labels, positions, weight, zeros, zeros, zeros.astype(np.int32), cu))
     return out
 
 

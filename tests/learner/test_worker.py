@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from streamrl.config import build_config
 from streamrl.learner.parallel import destroy_parallel
@@ -90,3 +91,20 @@ def test_mini_batches_move_the_policy_within_a_step_so_the_clip_binds(
         assert m["rollout_corr/log_prob_abs_diff_mean"] > 0.1 and m["rollout_corr/kl_k3"] > 0.0
         assert m["rollout_corr/is_weight_max"] >= m["rollout_corr/is_weight_mean"] > 0.0
         assert m["actor/pg_clipfrac"] == m["train/clip_fraction"]
+
+
+def test_a_parity_gap_on_fresh_tokens_stops_the_step(
+    tiny_model_dirs: Callable[[str], Path], redis_server, tmp_path: Path
+) -> None:
+    """`train.parity_every`: tokens stamped with the learner's current version whose behaviour log-probs are not
+    the learner's (make_group's are random) fail the step with the reason, naming the key."""
+    from streamrl.learner.parity import ParityError
+
+    tree = {
+        "model": {"path": str(tiny_model_dirs("qwen3"))},
+        "run": {"name": f"test-{uuid.uuid4().hex[:8]}", "dir": str(tmp_path)},
+        "batching": {"groups_per_step": 2},
+        "train": {"parity_every": 1},
+    }
+    with pytest.raises(ParityError, match=r"train.parity_every: .* 36 tokens sampled with version 0"):
+        _steps(tree, redis_server, groups=2, steps=1)

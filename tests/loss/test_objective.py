@@ -21,6 +21,7 @@ def _microbatch() -> MicroBatch:
         row(0, 0.5, 0.25, 0.25),
         row(0, 1.0, 1.0, -1.0),
         row(0, -0.9, -2.5, -0.1),
+        np.array([[-1, 0, 0, 0]], np.int32),
         np.array([0, 2, 4], np.int32),
     )
 

@@ -1,5 +1,6 @@
 """Sync mode (`train.mode: sync`) in the same program: every step trains on groups sampled under the weights the
-step starts from (lag 0), and the engines generate exactly one step's groups per step."""
+step starts from (lag 0), and the engines generate exactly one step's groups per step. The in-job parity check
+(`train.parity_every`) runs on every step of it."""
 
 from __future__ import annotations
 
@@ -16,11 +17,16 @@ STEPS = 6
 
 
 def test_sync_steps_are_on_policy(tmp_path: Path) -> None:
-    config = tiny_config(tmp_path, "train.mode=sync", f"train.steps={STEPS}", "train.checkpoint_every=0")
+    config = tiny_config(
+        tmp_path, "train.mode=sync", f"train.steps={STEPS}", "train.checkpoint_every=0", "train.parity_every=1"
+    )
     train(config, show_progress=False)
     history = read_history(config.run.dir)
     assert len(history) == STEPS
     assert all(row["queue/policy_lag_max"] == 0 for row in history)
+    # Every token is sampled with the weights the step starts from: each step checks all of them, within float32.
+    assert all(row["rollout_corr/parity_tokens"] > 0 for row in history)
+    assert max(row["rollout_corr/parity_abs_max"] for row in history) < 1e-4
     groups = config.batching.groups_per_step
     # One step's prompts at a time: the engine never runs ahead of the learner.
     assert [row["rollout/groups_pushed"] for row in history] == [groups * (s + 1) for s in range(STEPS)]
