@@ -4,7 +4,9 @@
 policy, detached). Variants, with C = `cap`:
 - `tis` (truncated IS, default): w = min(exp(log_ratio), C)
 - `mis` (masked IS): w = exp(log_ratio) where it is <= C, else 0 (the token is dropped)
-- `decoupled` (AReaL's decoupled PPO): w = exp(log_ratio), uncapped
+- `decoupled` (AReaL's decoupled PPO): w = exp(log_ratio), uncapped. With mini-batches pi_old is the proximal
+  policy (the step's starting weights) and the PPO clip is taken on pi_theta/pi_old, so `mis` is AReaL's decoupled PPO
+  with its `behav_imp_weight_cap` (tokens above C masked) and `tis` the same with the weight truncated at C
 - `ppo_behaviour` (plain PPO on the behaviour log-probs): w = 1; the PPO ratio itself is taken
   against the behaviour policy (see `streamrl.loss.grpo.policy_loss`)
 At `level="sequence"` the log-ratio of every token is replaced by its sequence's sum (the
