@@ -12,6 +12,8 @@ from itertools import accumulate
 
 import numpy as np
 
+ROUTE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))  # expert ids: uint8 up to 256 experts
+
 
 @dataclass(frozen=True, slots=True)
 class Trajectory:
@@ -22,6 +24,9 @@ class Trajectory:
     versions: np.ndarray  # int32[T]    policy version each token was sampled under
     reward: float  # task reward of the whole response
     finish_reason: str  # "stop" (EOS), "length" (max_tokens reached) or "abort"
+    # uint8/uint16[P + T - 1, L, k] experts the engine's router chose at each input position (prompt and response
+    # but the last token) in each of the L decoder layers (rows of dense layers unused), or None: not recorded.
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -29,6 +34,11 @@ class Trajectory:
             raise ValueError(
                 f"trajectory: response_ids ({n}), logprobs ({len(self.logprobs)}) and versions "
                 f"({len(self.versions)}) must have equal lengths"
+            )
+        if self.routes is not None and (self.routes.ndim != 3 or self.routes.dtype not in ROUTE_DTYPES):
+            raise ValueError(
+                f"trajectory: routes must be uint8/uint16 [positions, layers, k], got {self.routes.dtype} "
+                f"{self.routes.shape}"
             )
 
 
@@ -50,6 +60,9 @@ class TrajectoryGroup:
     lengths: tuple[int, ...]  # tokens of each of the n responses
     rewards: np.ndarray  # float32[n]  task reward of each response
     finish_reasons: tuple[str, ...]  # n values: "stop", "length" or "abort"
+    # uint8/uint16[P + sum(max(lengths[i] - 1, 0)), L, k] or None: the engine's expert choices (`Trajectory.routes`),
+    # the prompt's rows once, then each response's own rows (all its tokens but the last): see `route_rows`.
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n, total = len(self.lengths), sum(self.lengths)
@@ -65,15 +78,48 @@ class TrajectoryGroup:
                 f"group {self.group_id}: rewards ({len(self.rewards)}) and finish_reasons "
                 f"({len(self.finish_reasons)}) must have one value per response ({n})"
             )
+        if self.routes is not None:
+            rows = len(self.prompt_ids) + sum(max(length - 1, 0) for length in self.lengths)
+            if self.routes.ndim != 3 or self.routes.dtype not in ROUTE_DTYPES or len(self.routes) != rows:
+                raise ValueError(
+                    f"group {self.group_id}: routes must be uint8/uint16 [{rows}, layers, k] (prompt and response "
+                    f"positions), got {self.routes.dtype} {self.routes.shape}"
+                )
+
+    def route_rows(self, index: int) -> np.ndarray | None:
+        """Response `index`'s expert choices at every input position of its sequence (the prompt's, then its own
+        tokens but the last): `[P + lengths[index] - 1, L, k]`, or None when the group has none."""
+        if self.routes is None:
+            return None
+        prompt = len(self.prompt_ids)
+        start = prompt + sum(max(length - 1, 0) for length in self.lengths[:index])
+        own = self.routes[start : start + max(self.lengths[index] - 1, 0)]
+        return np.concatenate([self.routes[:prompt], own])
 
     @classmethod
     def from_responses(
         cls, group_id: str, engine_id: str, prompt_ids: np.ndarray, responses: Sequence[Trajectory]
     ) -> TrajectoryGroup:
-        """The group of `responses`, their fields concatenated (one copy of each array)."""
+        """The group of `responses`, their fields concatenated (one copy of each array). Routes are kept only when
+        every response has them: the prompt's rows from the first, then each response's own rows."""
 
         def joined(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
             return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+        prompt = len(prompt_ids)
+        routes = None
+        if responses and all(r.routes is not None for r in responses):
+            for r in responses:
+                if len(r.routes) != prompt + len(r.response_ids) - 1 and len(r.response_ids):
+                    raise ValueError(
+                        f"group {group_id}: a response of {len(r.response_ids)} tokens after a {prompt}-token prompt "
+                        f"has {len(r.routes)} rows of routes, expected {prompt + len(r.response_ids) - 1}"
+                    )
+            first = next((r.routes for r in responses if len(r.response_ids)), None)
+            if first is not None:
+                dtype = max((r.routes.dtype for r in responses), key=lambda d: d.itemsize)
+                parts = [first[:prompt]] + [r.routes[prompt:] for r in responses if len(r.response_ids)]
+                routes = np.concatenate(parts).astype(dtype, copy=False)
 
         return cls(
             group_id,
@@ -85,6 +131,7 @@ class TrajectoryGroup:
             tuple(len(r.response_ids) for r in responses),
             np.array([r.reward for r in responses], np.float32),
             tuple(r.finish_reason for r in responses),
+            routes,
         )
 
     @property
@@ -141,3 +188,5 @@ class MicroBatch:
     behaviour_logprobs: np.ndarray  # float32[1, T] engine logprob of each label (response positions)
     behaviour_versions: np.ndarray  # int32[1, T]  policy version each label was sampled under (response positions)
     cu_seqlens: np.ndarray  # int32[n+1]    sequence boundaries in the row: 0 = cu_seqlens[0] < ... < cu_seqlens[n] = T
+    # uint8/uint16[1, T, L, k] the engine's expert choices at each position (`loss.routing_replay`), or None
+    routed_experts: np.ndarray | None = None

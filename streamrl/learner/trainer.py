@@ -31,6 +31,7 @@ from streamrl.learner.model.gpt import build_model_chunks
 from streamrl.learner.model.logprobs import score_as_sampled
 from streamrl.learner.model.moe import num_experts
 from streamrl.learner.model.router_stats import RouterLoad
+from streamrl.learner.model.routing_replay import enable_routing_replay
 from streamrl.learner.optimizer import build_training
 from streamrl.learner.parity import ParityCheck
 from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
@@ -63,6 +64,8 @@ class Trainer:
         for chunk in self.chunks:
             load_hf_weights(chunk, hf_state, hf_config)
         score_as_sampled(self.chunks, config.rollout.temperature, config.rollout.top_p)
+        if config.loss.routing_replay == "rollout" and not enable_routing_replay(self.chunks):
+            raise ValueError("loss.routing_replay: 'rollout' needs a mixture-of-experts model")
         self.reference_chunks = (
             reference_chunks(hf_config, hf_state, learner.last_stage_layers) if config.loss.kl_coef > 0 else []
         )

@@ -4,7 +4,12 @@ Layout of one entry:
 - bytes 0-3: `SRL` and the schema version byte; bytes 4-7: H, the header length (uint32 little-endian);
 - H bytes: msgpack map `gid`, `eng`, `prompt` int32 bytes, `lens` int32[n] response lengths, `rew`
   float32[n], `fin` list[str]; then zero padding to a multiple of 8 bytes;
-- `ids` int32[T], `lp` float32[T], `ver` int32[T] back to back (T = sum of lens); the entry ends there.
+- `ids` int32[T], `lp` float32[T], `ver` int32[T] back to back (T = sum of lens);
+- when the header has `rt` = [L, k, item bytes] (schema 3: the engine recorded its MoE routing), the group's routes
+  `uint8/uint16[R, L, k]` follow (R = prompt length + sum of max(lens - 1, 0); `TrajectoryGroup.routes`), then
+  zero padding to a multiple of 8 bytes. The entry ends there.
+
+Schema 2 entries (no `rt`) still decode, as groups without routes.
 
 Decoding never unpickles, checks the magic and version, every type, every size limit and that lengths
 agree; any violation raises `DecodeError` naming the field. The token arrays are zero-copy (and so
@@ -23,9 +28,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from streamrl.types import TrajectoryGroup
+from streamrl.types import ROUTE_DTYPES, TrajectoryGroup
 
-SCHEMA_VERSION = 2  # 1 was a single msgpack map; its bins were copied on unpacking
+SCHEMA_VERSION = 3  # 3 added the routes; 1 was a single msgpack map, its bins copied on unpacking
+READABLE_VERSIONS = (2, 3)
+MAX_ROUTE_LAYERS = 1024
+MAX_ROUTE_K = 64
 MAGIC = b"SRL"
 MAX_ID_CHARS = 256
 MAX_RESPONSES = 4096
@@ -47,7 +55,7 @@ class WirePayload:
     them so)."""
 
     head: bytes  # magic, version, header length, header, padding
-    arrays: tuple[memoryview, ...]  # the `ids`, `lp` and `ver` bytes
+    arrays: tuple[memoryview, ...]  # the `ids`, `lp` and `ver` bytes (and the routes, then their padding)
     size: int  # bytes in all
 
 
@@ -61,6 +69,7 @@ def encode_payload(group: TrajectoryGroup) -> WirePayload:
             "lens": np.array(group.lengths, dtype=_I32).tobytes(),
             "rew": np.asarray(group.rewards, dtype=_F32).tobytes(),
             "fin": list(group.finish_reasons),
+            **({} if group.routes is None else {"rt": [*group.routes.shape[1:], group.routes.dtype.itemsize]}),
         },
         use_bin_type=True,
     )
@@ -70,6 +79,9 @@ def encode_payload(group: TrajectoryGroup) -> WirePayload:
         memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")
         for array, dtype in ((group.response_ids, _I32), (group.logprobs, _F32), (group.versions, _I32))
     )
+    if group.routes is not None:
+        routes = memoryview(np.ascontiguousarray(group.routes, group.routes.dtype.newbyteorder("<"))).cast("B")
+        arrays += (routes, memoryview(b"\0" * (-len(routes) % 8)))
     return WirePayload(head, arrays, len(head) + sum(map(len, arrays)))
 
 
@@ -104,8 +116,8 @@ def _header(data: bytes, max_bytes: int) -> tuple[dict[str, Any], int]:
         raise DecodeError(f"entry: {len(data)} bytes exceeds the limit of {max_bytes}")
     if len(data) < _PREFIX or data[:3] != MAGIC:
         raise DecodeError(f"entry: not a streamrl group (starts with {bytes(data[:8])!r})")
-    if data[3] != SCHEMA_VERSION:
-        raise DecodeError(f"v: unsupported schema version {data[3]} (this build reads {SCHEMA_VERSION})")
+    if data[3] not in READABLE_VERSIONS:
+        raise DecodeError(f"v: unsupported schema version {data[3]} (this build reads {READABLE_VERSIONS})")
     size = int.from_bytes(data[4:8], "little")
     if _PREFIX + size > len(data):
         raise DecodeError(f"header: {size} bytes do not fit in the {len(data)}-byte entry")
@@ -132,10 +144,14 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
     if min(lens) < 0:
         raise DecodeError("lens: negative response length")
     total = sum(lens)
-    if len(data) - start != total * _TOKEN_BYTES:
+    prompt = _array(msg, "prompt", _I32)
+    routes_shape, routes_dtype = _route_layout(msg, len(prompt) + sum(max(n - 1, 0) for n in lens))
+    routes_bytes = math.prod(routes_shape) * routes_dtype.itemsize if routes_shape else 0
+    expected = total * _TOKEN_BYTES + routes_bytes + (-routes_bytes % 8)
+    if len(data) - start != expected:
         raise DecodeError(
-            f"ids/lp/ver: {len(data) - start} bytes of token arrays, lens say {total} tokens "
-            f"({total * _TOKEN_BYTES} bytes)"
+            f"ids/lp/ver/rt: {len(data) - start} bytes of arrays, lens and rt say {total} tokens and "
+            f"{routes_bytes} bytes of routes ({expected} bytes)"
         )
     ids = np.frombuffer(data, _I32, total, start)
     logprobs = np.frombuffer(data, _F32, total, start + 4 * total)
@@ -146,6 +162,25 @@ def decode_group(data: bytes, max_bytes: int) -> TrajectoryGroup:
         raise DecodeError(f"fin: expected {len(lens)} values from {sorted(FINISH_REASONS)}")
     if not all(map(math.isfinite, rewards.tolist())) or not np.isfinite(logprobs).all():
         raise DecodeError("rew/lp: non-finite value")
+    routes = None
+    if routes_shape:
+        offset = start + total * _TOKEN_BYTES
+        routes = np.frombuffer(data, routes_dtype, math.prod(routes_shape), offset).reshape(routes_shape)
     return TrajectoryGroup(
-        group_id, engine_id, _array(msg, "prompt", _I32), ids, logprobs, versions, tuple(lens), rewards, tuple(finish)
+        group_id, engine_id, prompt, ids, logprobs, versions, tuple(lens), rewards, tuple(finish), routes
     )
+
+
+def _route_layout(msg: dict[str, Any], rows: int) -> tuple[tuple[int, ...], np.dtype]:
+    """The routes' shape (empty without `rt`) and dtype from the header's `rt` = [layers, k, item bytes]."""
+    if "rt" not in msg:
+        return (), ROUTE_DTYPES[0]
+    layout = _field(msg, "rt", list)
+    if len(layout) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in layout):
+        raise DecodeError("rt: expected [layers, k, item bytes] integers")
+    layers, k, width = layout
+    if not (0 < layers <= MAX_ROUTE_LAYERS and 0 < k <= MAX_ROUTE_K and width in (1, 2)):
+        raise DecodeError(
+            f"rt: layers {layers}, k {k}, item bytes {width} outside 1..{MAX_ROUTE_LAYERS}, 1..{MAX_ROUTE_K}, (1, 2)"
+        )
+    return (rows, layers, k), np.dtype("<u1" if width == 1 else "<u2")

@@ -47,6 +47,7 @@ class Sample:
     versions: list[int] = field(default_factory=list)  # policy version each token was sampled under
     text: str = ""
     finish_reason: str = ""  # "stop" (EOS / stop token) or "length"
+    routes: Any = None  # with `record_routes`: uint8/16[prompt + tokens - 1, layers, k] experts chosen, at the end
 
 
 class VLLMEngine:
@@ -60,6 +61,7 @@ class VLLMEngine:
         dtype: str = "float32",
         seed: int = 0,
         enforce_eager: bool = True,
+        record_routes: bool = False,
     ) -> None:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
@@ -80,6 +82,8 @@ class VLLMEngine:
             kv_cache_memory_bytes=kv_cache_bytes,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
+            # MoE routing replay: vLLM returns each completion's experts per position and layer when it finishes.
+            **({"enable_return_routed_experts": True} if record_routes else {}),
         )
         self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step
         self._finished: dict[str, list[Sample]] = {}
@@ -149,6 +153,9 @@ class VLLMEngine:
         sample.text += completion.text
         if completion.finish_reason is not None:
             sample.finish_reason = str(completion.finish_reason)
+        routes = getattr(completion, "routed_experts", None)  # only on the finishing output
+        if routes is not None:
+            sample.routes = routes
 
     def pop_finished(self, request_ids: list[str] | None = None) -> dict[str, list[Sample]]:
         """Completed requests (all of them, or just `request_ids` that are done), removed from the table."""

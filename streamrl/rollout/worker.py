@@ -61,6 +61,7 @@ class RolloutWorker:
             dtype=rollout.dtype,
             enforce_eager=config.run.device == "cpu" if rollout.enforce_eager is None else rollout.enforce_eager,
             seed=config.run.seed + engine_index,
+            record_routes=config.loss.routing_replay == "rollout",
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         self.prompts = PromptSource(config.task, seed=config.run.seed * 1000 + engine_index)
@@ -191,10 +192,19 @@ class RolloutWorker:
                 np.asarray(s.versions, np.int32),
                 float(reward),
                 s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
+                self._routes(s, len(prompt_ids)),
             )
             for s, reward in zip(samples, rewards.tolist(), strict=True)
         ]
         return TrajectoryGroup.from_responses(request_id, self.engine_id, np.asarray(prompt_ids), responses)
+
+    @staticmethod
+    def _routes(sample: Sample, prompt_length: int) -> np.ndarray | None:
+        """The sample's recorded experts when they cover every input position (else None: its group then trains
+        without replay rather than with experts at the wrong positions)."""
+        if sample.routes is None or len(sample.routes) != prompt_length + len(sample.token_ids) - 1:
+            return None
+        return np.asarray(sample.routes)
 
     def _run_tasks(self) -> None:
         while True:

@@ -76,3 +76,18 @@ def test_plan_rank_is_its_share_of_plan_step() -> None:
         mine = plan_rank(groups, 3, rank, 24, "sequence_mean")
         assert [mb.cu_seqlens.tolist() for mb in mine] == [mb.cu_seqlens.tolist() for mb in plan[rank]]
         assert all(np.array_equal(a.input_ids, b.input_ids) for a, b in zip(mine, plan[rank], strict=True))
+
+
+def test_routes_line_up_with_every_input_position_and_are_all_or_nothing() -> None:
+    """A sequence's routes are the prompt's rows and then its own (`route_rows`), at the columns of its inputs; a
+    micro-batch with a sequence not recorded carries none (replay needs every position)."""
+    from tests.queue.test_codec import _routed
+
+    group, responses = _routed(5, [4, 2, 6], np.uint8)
+    ((mb,),) = plan_step([group], 1, 1000, "token_mean")
+    assert mb.routed_experts.shape == (1, mb.input_ids.shape[1], 3, 2)
+    longest_first = sorted(responses, key=lambda t: -len(t.response_ids))
+    for start, end, response in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:], longest_first, strict=True):
+        assert np.array_equal(mb.routed_experts[0, start:end], response.routes)
+    ((mixed,),) = plan_step([group, make_group([3, 5])], 1, 1000, "token_mean")
+    assert mixed.routed_experts is None

@@ -10,6 +10,7 @@ the global grad norm and the gradients (gathered to HF names) match the single-p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def _real_columns(mb: MicroBatch, cu_padded: np.ndarray) -> np.ndarray:
 
 def test_shards_cover_every_token_once_with_its_position() -> None:
     mb = _microbatch()
+    # Routes [1, T, L, k] travel with their positions: here each row names its column.
+    length = mb.input_ids.shape[1]
+    columns_as_routes = np.broadcast_to((np.arange(length) % 251)[:, None, None], (length, 2, 3))
+    mb = dataclasses.replace(mb, routed_experts=columns_as_routes[None].astype(np.uint8))
     for cp_size in (2, 3):
         shards = [shard_microbatch(mb, cp_size, rank) for rank in range(cp_size)]
         cu_padded = padded_cu_seqlens(mb.cu_seqlens, cp_size)
@@ -60,15 +65,18 @@ def test_shards_cover_every_token_once_with_its_position() -> None:
         # Reassemble the padded row from the shards and compare every real token with the original.
         fields = ("labels", "position_ids", "loss_weight", "advantages")
         row = {name: np.zeros(cu_padded[-1], getattr(mb, name).dtype) for name in fields}
+        routes = np.zeros((cu_padded[-1], 2, 3), np.uint8)
         for rank, shard in enumerate(shards):
             assert np.array_equal(shard.cu_seqlens * cp_size, cu_padded)
             for name, values in row.items():
                 values[zigzag_columns(cu_padded, cp_size, rank)] = getattr(shard, name)[0]
+            routes[zigzag_columns(cu_padded, cp_size, rank)] = shard.routed_experts[0]
         starts = np.repeat(cu_padded[:-1], np.diff(cu_padded))
         assert np.array_equal(row["position_ids"], np.arange(cu_padded[-1]) - starts)  # true positions
         real = _real_columns(mb, cu_padded)
         for name, values in row.items():
             assert np.array_equal(values[real], getattr(mb, name)[0]), name
+        assert np.array_equal(routes[real], mb.routed_experts[0])
         padding = np.setdiff1d(np.arange(cu_padded[-1]), real)
         assert (row["loss_weight"][padding] == 0).all()
     assert shard_microbatch(mb, 1, 0) is mb

@@ -69,9 +69,49 @@ def _entry(
 
 
 def test_the_spec_layout_decodes() -> None:
-    group = decode_group(_entry(), LIMIT)
-    assert [t.response_ids.tolist() for t in group.trajectories] == [[0, 1, 2, 3], [4, 5]]
-    assert group.trajectories[1].finish_reason == "length" and group.trajectories[0].logprobs[0] == -0.5
+    for version in (2, SCHEMA_VERSION):  # schema 2 (before routes) entries still decode
+        group = decode_group(_entry(version=version), LIMIT)
+        assert [t.response_ids.tolist() for t in group.trajectories] == [[0, 1, 2, 3], [4, 5]]
+        assert group.trajectories[1].finish_reason == "length" and group.trajectories[0].logprobs[0] == -0.5
+        assert group.routes is None
+
+
+def _routed(prompt: int, lengths: list[int], dtype: type, seed: int = 0) -> tuple[TrajectoryGroup, list[Trajectory]]:
+    """A group whose responses carry routes: 3 layers, top-2 of up to 300 experts (uint16) or 200 (uint8)."""
+    rng = np.random.default_rng(seed)
+    high = 300 if dtype is np.uint16 else 200
+    prompt_routes = rng.integers(0, high, (prompt, 3, 2)).astype(dtype)
+    responses = [
+        Trajectory(
+            rng.integers(0, 64, n).astype(np.int32),
+            -rng.random(n).astype(np.float32),
+            np.zeros(n, np.int32),
+            1.0,
+            "stop",
+            np.concatenate([prompt_routes, rng.integers(0, high, (max(n - 1, 0), 3, 2)).astype(dtype)]),
+        )
+        for n in lengths
+    ]
+    return TrajectoryGroup.from_responses("g", "e", np.arange(prompt, dtype=np.int32), responses), responses
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_routes_round_trip_and_each_response_gets_its_positions(dtype: type) -> None:
+    group, responses = _routed(5, [4, 1, 0, 3], dtype)
+    assert group.routes.shape == (5 + 3 + 0 + 0 + 2, 3, 2)
+    back = decode_group(encode_group(group), LIMIT)
+    assert back.routes.dtype == np.dtype(dtype) and np.array_equal(back.routes, group.routes)
+    for i, response in enumerate(responses):
+        rows = back.route_rows(i)
+        expected = response.routes if len(response.response_ids) else response.routes[:5]
+        assert np.array_equal(rows, expected) and len(rows) == 5 + max(len(response.response_ids) - 1, 0)
+
+
+def test_routes_must_cover_every_input_position() -> None:
+    _, responses = _routed(5, [4, 2], np.uint8)
+    short = dataclasses.replace(responses[1], routes=responses[1].routes[:-1])
+    with pytest.raises(ValueError, match="has 5 rows of routes, expected 6"):
+        TrajectoryGroup.from_responses("g", "e", np.arange(5, dtype=np.int32), [responses[0], short])
 
 
 @pytest.mark.parametrize(
@@ -82,8 +122,15 @@ def test_the_spec_layout_decodes() -> None:
         (_entry(version=SCHEMA_VERSION + 1), "v: unsupported schema version"),
         (_entry(header_size=1 << 16), "header: 65536 bytes do not fit"),
         (_entry(header_size=3), "header: not msgpack"),
-        (_entry(lens=np.array([4, 3], np.int32).tobytes()), "ids/lp/ver: 72 bytes of token arrays, lens say 7 tokens"),
-        (_entry(tail=b"\0" * 7), "ids/lp/ver: 79 bytes"),
+        (
+            _entry(lens=np.array([4, 3], np.int32).tobytes()),
+            "ids/lp/ver/rt: 72 bytes of arrays, lens and rt say 7 tokens",
+        ),
+        (_entry(tail=b"\0" * 7), "ids/lp/ver/rt: 79 bytes"),
+        (_entry(rt=[2, 2, 1]), "ids/lp/ver/rt: 72 bytes of arrays, lens and rt say 6 tokens and 28 bytes of routes"),
+        (_entry(rt=[2, 2, 4]), "rt: layers 2, k 2, item bytes 4 outside"),
+        (_entry(rt=[2, 2]), "rt: expected"),
+        (_entry(rt="x"), "rt: expected list"),
         (_entry(lens=b"\0" * 7), "lens: 7 bytes is not a whole number"),
         (_entry(lens=np.array([-1, 7], np.int32).tobytes()), "lens: negative"),
         (_entry(fin=["stop"]), "fin: expected 2 values"),
@@ -138,7 +185,7 @@ _MSGPACK_VALUES = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(["gid", "eng", "prompt", "lens", "rew", "fin"]), _MSGPACK_VALUES)
+@given(st.sampled_from(["gid", "eng", "prompt", "lens", "rew", "fin", "rt"]), _MSGPACK_VALUES)
 def test_any_value_in_any_header_field_decodes_or_raises_decode_error(field: str, value: object) -> None:
     try:
         decode_group(_entry(**{field: value}), LIMIT)
