@@ -127,10 +127,16 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     base = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
-    runs = [measure(arrangement(base, "sync", 1))]
-    runs += [measure(arrangement(base, "async", s)) for s in args.staleness]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": str(args.config), "overrides": args.overrides, "runs": runs}, indent=1))
+    runs = []
+    # Each arrangement is reported and saved as it ends, so a run cut short keeps what it measured (and its logs
+    # under run.dir/<mode>-<staleness>/logs say where it stopped).
+    for mode, staleness in [("sync", 1)] + [("async", s) for s in args.staleness]:
+        print(f"{mode}, max_staleness {staleness}: running {args.steps} steps", flush=True)
+        runs.append(measure(arrangement(base, mode, staleness)))
+        print({k: v for k, v in runs[-1].items() if k != "placement"}, flush=True)
+        summary = {"config": str(args.config), "overrides": args.overrides, "runs": runs}
+        args.out.write_text(json.dumps(summary, indent=1))
     sync = runs[0]["trained_tokens_per_s"]
     print(
         "| mode | staleness | wall s | gen tok/s | trained tok/s | vs sync | engine GPU busy | learner GPU busy | "
