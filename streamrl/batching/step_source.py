@@ -8,8 +8,13 @@ step fills with groups that carry a signal), and
 broadcasts their wire bytes to every rank (no pickle between ranks either: docs/DESIGN.md, invariant 5). Every rank
 then plans the whole step deterministically and collates only its own micro-batches (`microbatch.plan_rank`).
 Groups read beyond the step (a token budget can overshoot) are held for the next step; they stay pending in Redis
-until the step that uses them commits. `commit(step)` (rank 0, after every rank has stepped) acks the step's groups
-and records their ids in one script call (invariant 2). Waits are bounded by `queue.wait_timeout_s` (invariant 4).
+until the step that uses them commits. `commit(step, number)` (rank 0, after every rank has stepped) writes the step to
+the step journal (`step_journal.py`), then acks the step's groups and records their ids in one script call, then
+adds it to the ledger of trained groups; `checkpointed(number)` prunes the journal once a checkpoint holds the step
+(the checkpoint plus the journal are the commit unit: invariant 2). `resume(completed)`, called once on every rank
+at start-up with the checkpoint's step (0 without one), makes rank 0 hand out the journaled steps after it first,
+exactly as they were (`Step.replayed`), before reading the queue again. Waits are bounded by
+`queue.wait_timeout_s` (invariant 4).
 
 The broadcast runs on the learner's default process group: its tensors live on `device` (CUDA under NCCL, CPU under
 gloo), since NCCL has no CPU transport.
@@ -29,6 +34,7 @@ import torch.distributed as dist
 from streamrl.batching.compose import groups_needed, take_step
 from streamrl.batching.cost import CostModel, cost_model
 from streamrl.batching.microbatch import plan_rank
+from streamrl.batching.step_journal import StepJournal
 from streamrl.config import Config
 from streamrl.queue import (
     QueueKeys,
@@ -51,6 +57,7 @@ class Step:
     microbatches: list[MicroBatch]  # this rank's micro-batches (its data-parallel share, before CP sharding)
     admitted: list[ConsumedGroup]  # rank 0: the consumed entries to commit; empty elsewhere
     wait_s: float  # rank 0: seconds spent waiting for groups
+    replayed: bool = False  # rank 0: re-trained from the step journal after a resume (already acked)
 
 
 class StepSource:
@@ -68,6 +75,9 @@ class StepSource:
         self.dropped_stale = 0  # groups dropped at admission for staleness (rank 0)
         self.dropped_constant = 0  # groups dropped at admission for equal rewards (batching.drop_constant_groups)
         self._held: list[ConsumedGroup] = []  # read but not yet in a step (rank 0)
+        root = config.run.dir / "journal"
+        self.journal = StepJournal(root, config.queue.max_entry_bytes) if consumer is not None else None
+        self._replay: list[int] = []  # journaled steps still to re-train after a resume (rank 0)
 
     @classmethod
     def for_rank(
@@ -102,10 +112,32 @@ class StepSource:
             device,
         )
 
+    def resume(self, completed: int | None) -> list[int]:
+        """At start-up, every rank, after the checkpoint of step `completed` (0: none) is loaded: rank 0 drops what
+        that checkpoint holds from the journal and the ledger, acks the later journaled steps again (a crash may have
+        come between their journal write and their ack) and will re-train them first. Returns those steps. None (not
+        `train.resume`): a fresh start, the journal and the ledger are emptied."""
+        if self.journal is None:
+            return []
+        if completed is None:
+            self.journal.prune(float("inf"))
+            self.journal.truncate_ledger(-1)
+            return []
+        self.journal.prune(completed)
+        self.journal.truncate_ledger(completed)
+        self._replay = self.journal.pending(completed)
+        for number in self._replay:
+            self.consumer.commit(self.journal.load(number))
+        return list(self._replay)
+
     def next_step(self, learner_version: int) -> Step:
         """The next step's groups and this rank's micro-batches; `learner_version` drives the staleness rule."""
         start = time.perf_counter()
-        admitted = self._admit(learner_version) if self.consumer is not None else []
+        replayed = bool(self._replay)
+        if replayed:
+            admitted = self.journal.load(self._replay.pop(0))
+        else:
+            admitted = self._admit(learner_version) if self.consumer is not None else []
         wait_s = time.perf_counter() - start
         groups = self._broadcast(admitted)
         batching = self.config.batching
@@ -118,12 +150,22 @@ class StepSource:
             self.cost,
             self.config.loss.std,
         )
-        return Step(groups, microbatches, admitted, wait_s)
+        return Step(groups, microbatches, admitted, wait_s, replayed)
 
-    def commit(self, step: Step) -> None:
-        """Rank 0, once every rank has applied the step's update: ack its groups and record their ids."""
-        if self.consumer is not None:
+    def commit(self, step: Step, number: int) -> None:
+        """Rank 0, once every rank has applied step `number`'s update: journal it (durable), ack its groups and
+        record their ids, add it to the ledger. A replayed step is journaled and acked already."""
+        if self.journal is None:
+            return
+        if not step.replayed:
+            self.journal.record(number, step.admitted)
             self.consumer.commit(step.admitted)
+        self.journal.append_ledger(number, step.admitted, step.replayed)
+
+    def checkpointed(self, number: int) -> None:
+        """Rank 0, once a checkpoint of step `number` is complete on every rank: it holds the journaled steps."""
+        if self.journal is not None:
+            self.journal.prune(number)
 
     def metrics(self, step: Step, learner_version: int, step_s: float) -> dict[str, Any]:
         """Rank 0: what a step trained at `learner_version` in `step_s` seconds says about the rollouts (reward,

@@ -53,6 +53,8 @@ class LearnerWorker:
         root = checkpoint_root(config.run.dir)
         if config.train.resume and (latest := latest_checkpoint(root)) is not None:
             self.load_checkpoint(str(latest))
+        # Steps trained after that checkpoint are re-trained first, from the step journal (the commit unit).
+        self.replay_steps = self.steps.resume(self.resumed_step if config.train.resume else None)
 
     def ready(self) -> dict[str, Any]:
         """This rank and the node it runs on (the driver records the placement)."""
@@ -67,8 +69,8 @@ class LearnerWorker:
         self.version += 1
         if self.rank != 0:
             return {}
-        self.steps.commit(step)
-        metrics = result.stats.metrics(self.config.loss) | result.metrics
+        self.steps.commit(step, self.version)
+        metrics = result.stats.metrics(self.config.loss) | result.metrics | {"train/replayed": float(step.replayed)}
         metrics |= self.steps.metrics(step, self.version - 1, time.perf_counter() - start)
         return metrics | {"train/grad_norm": result.grad_norm, "train/policy_version": self.version}
 
@@ -96,22 +98,26 @@ class LearnerWorker:
     def save_checkpoint(self, step: int) -> str:
         """All ranks: save model, optimizer, RNG and version as `step` under run.dir/checkpoints; returns the path."""
         root = checkpoint_root(self.config.run.dir)
-        return str(
-            checkpoint.save_checkpoint(
-                root,
-                step,
-                self.version,
-                self.trainer.chunks,
-                self.trainer.training.optimizer,
-                checkpoint.config_hash(self.config),
-            )
+        path = checkpoint.save_checkpoint(
+            root,
+            step,
+            self.version,
+            self.trainer.chunks,
+            self.trainer.training.optimizer,
+            checkpoint.config_hash(self.config),
         )
+        self.steps.checkpointed(step)  # complete on every rank (the save ends with a barrier): prune the journal
+        return str(path)
 
     def load_checkpoint(self, path: str) -> int:
         """All ranks: restore what `save_checkpoint` saved at `path` (the layout may differ); returns its step."""
         meta = checkpoint.load_checkpoint(Path(path), self.trainer.chunks, self.trainer.training.optimizer)
         self.version, self.resumed_step = meta.version, meta.step
         return meta.step
+
+    def journal_steps(self) -> list[int]:
+        """Rank 0: the steps after the resumed checkpoint that the first `step()` calls re-train from the journal."""
+        return self.replay_steps
 
     def start_step(self) -> int:
         """Steps already taken when this rank started: the resumed checkpoint's step, 0 for a fresh start."""

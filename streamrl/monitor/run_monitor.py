@@ -54,7 +54,8 @@ class RunMonitor:
         self.history: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.run.log(metrics, step=step)
+        if not metrics.get("train/replayed"):  # a step re-trained from the journal was logged before the crash
+            self.run.log(metrics, step=step)
         self.history.append(metrics)
         self.bar.update(1)
         self.bar.set_postfix(

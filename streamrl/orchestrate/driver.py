@@ -22,7 +22,9 @@ the lag of a consumed group is about `publish_every - 1 + B / G` versions.
 Checkpoints (`streamrl.learner.checkpoint`): every `checkpoint_every` steps and after the last one. With
 `train.resume`, learner ranks load `run.dir/checkpoints/latest` at start-up; the driver continues from its step
 and publishes the resumed weights before the first step (engines start on model.path's weights, version 0;
-what they sampled meanwhile is stamped 0 and falls under the staleness rule).
+what they sampled meanwhile is stamped 0 and falls under the staleness rule). The learner first re-trains the steps
+its step journal holds after that checkpoint (`streamrl.batching.step_journal`: steps trained before a crash), then
+reads the queue again; those steps are not logged to W&B a second time.
 """
 
 from __future__ import annotations
@@ -115,8 +117,13 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         if first:  # the engines started from model.path's weights: bring them to the resumed ones first
             logger.info("resumed from the checkpoint of step %d", first)
             cluster.publisher.publish(first)
+        replayed = cluster.get([cluster.learners[0].journal_steps.remote()], 60, "learner journal")[0]
+        if replayed:
+            logger.info("re-training steps %d-%d from the step journal", replayed[0], replayed[-1])
         for step in range(first + 1, train.steps + 1):
-            if train.mode == "sync":  # this step's groups, all sampled under the weights just published
+            if (
+                train.mode == "sync" and step not in replayed
+            ):  # this step's groups, sampled under the weights just published
                 cluster.allow_prompts(config.batching.groups_per_step)
             metrics = cluster.learner_step(step)
             # A replaced engine (stale weight group) gets the current weights now, not at the next cadence.

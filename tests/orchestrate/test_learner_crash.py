@@ -1,0 +1,59 @@
+"""A learner killed between two checkpoints: the job resumed on its run directory re-trains the steps after the
+checkpoint from the step journal (the same groups, in the same steps), comes back to the weights it had when it
+died, and goes on; every group it trained is in the ledger exactly once.
+
+Job one: steps 1-5, checkpoint at 3, then learner rank 0 is killed (Ray kills its process). Job two: resumes from the
+checkpoint of step 3, re-trains steps 4 and 5 from the journal (its log-probs then equal job one's after step 5),
+then trains steps 6-8 from the queue, which still holds what job one's engine pushed and its learner never committed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from streamrl.orchestrate.cluster import Cluster
+from streamrl.orchestrate.driver import prepare_run, save_checkpoint, start_step
+from tests.orchestrate.parity import learner_logprobs, tiny_config
+
+STEPS, CHECKPOINT, KILLED_AFTER = 8, 3, 5
+
+
+def test_a_killed_learner_resumes_from_its_checkpoint_and_journal(tmp_path: Path) -> None:
+    config = tiny_config(
+        tmp_path, f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT}", "wandb.mode=disabled"
+    )
+    prepare_run(config)
+    with Cluster(config) as cluster:
+        for step in range(1, KILLED_AFTER + 1):
+            cluster.learner_step(step)
+            cluster.publisher.publish(step)
+            if step == CHECKPOINT:
+                save_checkpoint(cluster, step)
+        before_crash = learner_logprobs(cluster, config)
+        ray.kill(cluster.learners[0])
+    journal = config.run.dir / "journal"
+    assert sorted(p.name for p in journal.iterdir()) == ["step_00000004.bin", "step_00000005.bin"]
+
+    prepare_run(config)
+    with Cluster(config) as cluster:
+        assert start_step(cluster) == CHECKPOINT
+        cluster.publisher.publish(CHECKPOINT)
+        replayed = [cluster.learner_step(step)["train/replayed"] for step in (4, 5)]
+        # The same groups in the same steps from the same checkpoint: the weights the learner died with.
+        np.testing.assert_allclose(learner_logprobs(cluster, config), before_crash, atol=1e-5, rtol=0)
+        for step in (4, 5, 6, 7, 8):
+            if step > KILLED_AFTER:
+                assert cluster.learner_step(step)["train/replayed"] == 0.0
+            cluster.publisher.publish(step)
+        save_checkpoint(cluster, STEPS)
+    assert replayed == [1.0, 1.0]
+    assert not list(journal.iterdir())  # the final checkpoint holds every step
+    ledger = [json.loads(line) for line in (config.run.dir / "trained_groups.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))
+    assert [row["replayed"] for row in ledger] == [False] * 3 + [True] * 2 + [False] * 3
+    trained = [group for row in ledger for group in row["groups"]]
+    assert len(trained) == len(set(trained)) == STEPS * config.batching.groups_per_step  # none twice, none lost
