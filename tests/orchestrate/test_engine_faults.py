@@ -51,5 +51,8 @@ def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -
     with Cluster(config) as cluster:
         cluster.learner_step(1)
         ray.kill(cluster.engines[0])
+        # ray.kill returns before the process is gone: wait for its loop to end, or a ping may still be answered.
+        done, _ = ray.wait([cluster.engine_loops[0]], timeout=60)
+        assert done, "the killed engine's loop did not end"
         with pytest.raises(RuntimeError, match="rollout.max_engine_restarts: engine-0 died after 0 restarts"):
             cluster.replace_dead_engines()
