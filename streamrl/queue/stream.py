@@ -84,6 +84,11 @@ class QueueKeys:
         return f"{self.prefix}:claims"
 
     @property
+    def prompt_cursors(self) -> str:
+        """Hash: engine id -> JSON prompt-source state its prompt stream resumes from (`rollout.prompt_cursor`)."""
+        return f"{self.prefix}:prompt_cursors"
+
+    @property
     def room(self) -> str:
         """The room baton: a list of at most one token that wakes one producer waiting for backlog room."""
         return f"{self.prefix}:room"

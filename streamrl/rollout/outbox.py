@@ -6,7 +6,8 @@ and waits on the room baton (`wait_for_room`) while none fit. Appending what fit
 only once it holds a whole step, so a push that waited for room for all of a batch could wait forever. Waiting for
 room is a normal state, not an error, and a group pushed before is never appended twice (the producer's push
 markers). Any other error (Redis gone for longer than the reconnect window) stops the thread, and `check()` raises
-it on the loop. `backpressure_s` is the time pushes spent waiting for room,
+it on the loop. `on_pushed(group_ids)`, when given, is called on the pusher thread with the groups each append got
+into the stream (or found there). `backpressure_s` is the time pushes spent waiting for room,
 measured. The outbox holds at most `capacity` groups: the loop submits no new prompts while it is full, so a full
 backlog bounds generation instead of piling groups up in memory.
 """
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from streamrl.queue import TrajectoryProducer
 from streamrl.types import TrajectoryGroup
 
 
 class Outbox:
-    def __init__(self, producer: TrajectoryProducer, capacity: int):
-        self.producer, self.capacity = producer, capacity
+    def __init__(
+        self, producer: TrajectoryProducer, capacity: int, on_pushed: Callable[[list[str]], None] | None = None
+    ):
+        self.producer, self.capacity, self.on_pushed = producer, capacity, on_pushed
         self.groups_pushed = 0
         self._waiting: deque[TrajectoryGroup] = deque()  # put, not yet pushed (the pusher takes from the left)
         self._in_push = 0  # groups in the push running now (they still count against the capacity)
@@ -98,6 +102,8 @@ class Outbox:
         left = batch
         while left and not self._closed:
             accepted = set(self.producer.try_push(left))
+            if accepted and self.on_pushed is not None:
+                self.on_pushed(sorted(accepted))
             left = [group for group in left if group.group_id not in accepted]
             if left:
                 self.producer.wait_for_room()

@@ -15,7 +15,8 @@ Threads of the actor and what they own:
   itself runs on the loop (the engine pauses for the transfer) and each bucket is swapped into the
   weights as it arrives; a publish that fails swaps the previous version back (invariant 3).
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
-Every token is stamped with the version it was sampled under (invariant 1).
+Every token is stamped with the version it was sampled under (invariant 1). Each group is named after its prompt's
+position in this engine's prompt stream, which resumes from a durable cursor (`prompt_cursor.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,6 +37,7 @@ from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import PendingGroup, RewardPool
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.outbox import Outbox
+from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
 from streamrl.types import Trajectory, TrajectoryGroup
 from streamrl.weights import WeightGroup, receive_stages
@@ -69,9 +70,12 @@ class RolloutWorker:
         self._scoring: list[tuple[str, list[int], list[Sample], PendingGroup]] = []  # finished, being scored
         self.keys = QueueKeys(config.run.name)
         self.redis = connect_for(config.queue, redis_url, redis_password)
+        # The prompt stream continues where this engine's last run left it (a restarted engine or job skips nothing).
+        self.cursor = PromptCursor(self.redis, self.keys.prompt_cursors, self.engine_id)
+        self.prompts.reset(self.cursor.load())
         producer = TrajectoryProducer(self.redis, self.keys, config.queue.max_backlog, config.queue.wait_timeout_s)
         # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
-        self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch)
+        self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch, on_pushed=self.cursor.pushed)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
         # Sync mode: prompts the driver allowed and not yet submitted (None: unbounded, the async default).
         self._prompt_budget: int | None = 0 if config.train.mode == "sync" else None
@@ -153,12 +157,14 @@ class RolloutWorker:
     def _top_up(self) -> None:
         rollout = self.config.rollout
         while len(self._in_flight) < rollout.prompts_per_batch and self._take_prompt_budget():
+            position = self.prompts.get_state()
             prompt = next(self.prompts)
             message = [{"role": "user", "content": prompt.text}]
             ids = self.tokenizer.apply_chat_template(
                 message, add_generation_prompt=True, tokenize=True, return_dict=False
             )
-            request_id = uuid.uuid4().hex
+            request_id = group_id(self.engine_id, position)  # the same whenever this prompt is sampled
+            self.cursor.taken(request_id, position, self.prompts.get_state())
             self.engine.submit(request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p)
             self._in_flight[request_id] = (prompt, ids)
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,11 +35,11 @@ def one_rank_world():
     destroy_parallel()
 
 
-def _source(redis_server, queue_keys, **batching) -> StepSource:
+def _source(redis_server, queue_keys, run_dir: Path, **batching) -> StepSource:
     config = build_config(
         {
             "model": {"path": "unused"},
-            "run": {"name": queue_keys.prefix},
+            "run": {"name": queue_keys.prefix, "dir": str(run_dir)},
             "batching": {"groups_per_step": 2, **batching},
         }
     )
@@ -49,16 +51,18 @@ def _constant(group, value: float):
     return dataclasses.replace(group, rewards=np.full(len(group.rewards), value, np.float32))
 
 
-def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(one_rank_world, redis_server, queue_keys) -> None:
+def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(
+    one_rank_world, redis_server, queue_keys, tmp_path: Path
+) -> None:
     producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), queue_keys, 16, 5.0)
     groups = [make_group([2, 3], seed=i) for i in range(4)]
     groups[0], groups[2] = _constant(groups[0], 0.5), _constant(groups[2], 1.0)
     producer.push(groups)
-    source = _source(redis_server, queue_keys, drop_constant_groups=True)
+    source = _source(redis_server, queue_keys, tmp_path, drop_constant_groups=True)
     step = source.next_step(learner_version=4)  # make_group stamps versions 0..4
     assert [g.group_id for g in step.groups] == ["g1", "g3"]  # the constant ones were skipped, the step filled
     assert source.dropped_constant == 2 and step.microbatches
-    source.commit(step)
+    source.commit(step, 1)
     metrics = source.metrics(step, 4, step_s=1.0)
     assert metrics["queue/dropped_constant"] == 2 and metrics["queue/depth"] == 0
     # make_group stamps each token with a random version in 0..4: per-token lags and versions spanned per response.
@@ -69,10 +73,38 @@ def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(one_rank_worl
     assert sum(spans) == pytest.approx(1.0) and spans[0] < 1.0
 
 
-def test_without_dynamic_sampling_constant_groups_train(one_rank_world, redis_server, queue_keys) -> None:
+def test_without_dynamic_sampling_constant_groups_train(
+    one_rank_world, redis_server, queue_keys, tmp_path: Path
+) -> None:
     producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), queue_keys, 16, 5.0)
     producer.push([_constant(make_group([2], seed=0), 0.5), make_group([2], seed=1)])
-    source = _source(redis_server, queue_keys)
+    source = _source(redis_server, queue_keys, tmp_path)
     step = source.next_step(learner_version=4)  # make_group stamps versions 0..4
     assert [g.group_id for g in step.groups] == ["g0", "g1"] and source.dropped_constant == 0
-    source.commit(step)
+    source.commit(step, 1)
+
+
+def test_a_step_journaled_but_not_acked_is_acked_on_resume_and_replayed_once(
+    one_rank_world, redis_server, queue_keys, tmp_path: Path
+) -> None:
+    """A crash between a step's journal write and its ack: the resumed source acks its entries (they are not
+    delivered again), re-trains the step from the journal, then reads on from the stream."""
+    producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), queue_keys, 16, 5.0)
+    producer.push([make_group([2, 3], seed=i) for i in range(4)])
+    crashed = _source(redis_server, queue_keys, tmp_path)
+    step = crashed.next_step(learner_version=4)
+    crashed.journal.record(1, step.admitted)  # ... and the learner dies before the ack
+    resumed = _source(redis_server, queue_keys, tmp_path)
+    assert resumed.resume(0) == [1]
+    replay = resumed.next_step(learner_version=4)
+    assert replay.replayed and [g.group_id for g in replay.groups] == ["g0", "g1"]
+    resumed.commit(replay, 1)
+    after = resumed.next_step(learner_version=4)
+    assert not after.replayed and [g.group_id for g in after.groups] == ["g2", "g3"]
+    resumed.commit(after, 2)
+    ledger = [json.loads(line) for line in resumed.journal.ledger.read_text().splitlines()]
+    assert [(row["step"], row["groups"], row["replayed"]) for row in ledger] == [
+        (1, ["g0", "g1"], True),
+        (2, ["g2", "g3"], False),
+    ]
+    assert resumed.consumer.backlog() == 0

@@ -5,6 +5,8 @@ died, and goes on; every group it trained is in the ledger exactly once.
 Job one: steps 1-5, checkpoint at 3, then learner rank 0 is killed (Ray kills its process). Job two: resumes from the
 checkpoint of step 3, re-trains steps 4 and 5 from the journal (its log-probs then equal job one's after step 5),
 then trains steps 6-8 from the queue, which still holds what job one's engine pushed and its learner never committed.
+The engine's prompt stream resumes at the oldest prompt whose group had not reached the stream, so every prompt
+before job two's cursor is in the ledger or still queued, exactly once (no stale drops: `queue.max_staleness` 100).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ray
 
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, save_checkpoint, start_step
+from streamrl.queue import QueueKeys
 from tests.orchestrate.parity import learner_logprobs, tiny_config
 
 STEPS, CHECKPOINT, KILLED_AFTER = 8, 3, 5
@@ -50,6 +53,9 @@ def test_a_killed_learner_resumes_from_its_checkpoint_and_journal(tmp_path: Path
                 assert cluster.learner_step(step)["train/replayed"] == 0.0
             cluster.publisher.publish(step)
         save_checkpoint(cluster, STEPS)
+        keys = QueueKeys(config.run.name)
+        cursor = json.loads(cluster.redis_client.hget(keys.prompt_cursors, "engine-0"))
+        queued = [fields[b"i"].decode() for _, fields in cluster.redis_client.xrange(keys.stream)]
     assert replayed == [1.0, 1.0]
     assert not list(journal.iterdir())  # the final checkpoint holds every step
     ledger = [json.loads(line) for line in (config.run.dir / "trained_groups.jsonl").read_text().splitlines()]
@@ -57,3 +63,7 @@ def test_a_killed_learner_resumes_from_its_checkpoint_and_journal(tmp_path: Path
     assert [row["replayed"] for row in ledger] == [False] * 3 + [True] * 2 + [False] * 3
     trained = [group for row in ledger for group in row["groups"]]
     assert len(trained) == len(set(trained)) == STEPS * config.batching.groups_per_step  # none twice, none lost
+    # Every prompt before the cursor made exactly one group, trained or queued: none skipped, none sampled twice.
+    indices = sorted(int(group.rsplit("-p", 1)[1]) for group in trained + queued)
+    assert indices[: cursor["index"]] == list(range(cursor["index"]))
+    assert len(indices) == len(set(indices))
