@@ -103,6 +103,12 @@ class LearnerConfig(_Section):
         None, gt=0, description="Peak dense TFLOP/s of one accelerator, for MFU (989: H100/H200 bf16); unset: no MFU."
     )
     step_timeout_s: float = Field(600.0, gt=0, description="Bound on one learner step seen from the driver.")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Restarts of the learner group (all ranks, from the latest checkpoint and step journal) a job "
+        "allows when a rank dies; one more ends the job (non-zero) with the reason.",
+    )
 
     @property
     def world_size(self) -> int:

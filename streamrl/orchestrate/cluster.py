@@ -11,7 +11,9 @@ Faults: an engine whose actor died (found by a failed publish or a finished loop
 weight groups are rebuilt for the survivors (a new generation) and the publish is retried, so one
 dead engine never blocks the learner beyond `train.publish_timeout_s`. With
 `rollout.restart_dead_engines` a replacement starts in its slot; it reads the announced version
-from Redis, sees it lags, and the next publish carries the learner's weights to it.
+from Redis, sees it lags, and the next publish carries the learner's weights to it. A learner rank that died is
+found by the step that waits on it (`LearnerDied`, `learner_group.py`): `restart_learners` restarts the whole
+learner group from its checkpoint and step journal while the engines keep generating.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from streamrl.config import Config
 from streamrl.logs import stderr_to_run_logs
+from streamrl.orchestrate.learner_group import LearnerGroup
 from streamrl.orchestrate.placement import Placement, check_shared_dir
 from streamrl.orchestrate.redis_watch import RedisWatch
 from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for
@@ -38,8 +41,7 @@ class Cluster:
         self.redis: EmbeddedRedis | None = None
         self.engines: list[Any] = []  # slot i holds the actor of engine i (replaced on restart)
         self.engine_loops: list[Any] = []
-        self.learners: list[Any] = []
-        self.senders: list[Any] = []  # the learner ranks that send weights: the first of each pipeline stage
+        self.learner_group: LearnerGroup | None = None
         self.publisher = Publisher(self, config.train)
         self.engines_restarted = 0
         self.restarting: set[int] = set()  # engine slots being replaced right now
@@ -59,7 +61,6 @@ class Cluster:
     def _start(self) -> None:
         import ray
 
-        from streamrl.learner import LearnerWorker
         from streamrl.rollout import RolloutWorker
 
         config = self.config
@@ -70,23 +71,11 @@ class Cluster:
             check_shared_dir(config.cluster.shared_dir, config.cluster.placement_timeout_s)
         self.placement = Placement.reserve(config)
         self._engine_cls = ray.remote(RolloutWorker)
-        learner_cls = ray.remote(LearnerWorker)
-        host, port = self.placement.rendezvous()
-        port = config.learner.master_port or port
         self.engines = [self._new_engine(i) for i in range(config.rollout.engines)]
-        self.learners = [
-            learner_cls.options(**self.placement.learner_options(r)).remote(
-                config, r, host, port, self.redis_url, self.redis_password
-            )
-            for r in range(config.learner.world_size)
-        ]
+        self.learner_group = LearnerGroup(config, self.placement, self.redis_url, self.redis_password)
+        self.learner_group.start()
         engines = self.get([e.ready.remote() for e in self.engines], config.rollout.start_timeout_s, "engine start-up")
-        learners = self.get(
-            [r.ready.remote() for r in self.learners], config.learner.step_timeout_s, "learner start-up"
-        )
-        self._record_placement(engines, learners)
-        sending = self.get([r.is_sender.remote() for r in self.learners], 60, "learner roles")
-        self.senders = [r for r, sends in zip(self.learners, sending, strict=True) if sends]
+        self._record_placement(engines, self.learner_group.ready)
         self.announce_version(0)
         self.publisher.form_groups()
         self.engine_loops = [e.run.remote() for e in self.engines]
@@ -232,12 +221,26 @@ class Cluster:
         self.redis_client.set(QueueKeys(self.config.run.name).policy_version, version)
 
     # -- steps and stats --------------------------------------------------------------------------
+    @property
+    def learners(self) -> list[Any]:
+        """The learner ranks' actors (new ones after a restart of the group)."""
+        return self.learner_group.ranks if self.learner_group is not None else []
+
+    @property
+    def senders(self) -> list[Any]:
+        """The learner ranks that send weights: the first of each pipeline stage."""
+        return self.learner_group.senders if self.learner_group is not None else []
+
     def learner_step(self, step: int) -> dict[str, float]:
+        """Step `step` on every learner rank; rank 0's metrics. A dead rank raises `LearnerDied`."""
         self.check_engines()
-        results = self.get(
-            [r.step.remote() for r in self.learners], self.config.learner.step_timeout_s, f"learner step {step}"
-        )
-        return results[0]
+        return self.learner_group.step(step)
+
+    def restart_learners(self, reason: BaseException) -> None:
+        """Restart the learner group after a rank died (see `LearnerGroup.restart`); the engines keep generating and
+        join new weight groups at the next publish."""
+        self.learner_group.restart(reason)
+        self.publisher.stale = True
 
     def allow_prompts(self, groups: int) -> None:
         """Sync mode: the engines generate `groups` more groups between them (split as evenly as can be)."""
@@ -263,9 +266,11 @@ class Cluster:
                 ray.wait(self.engine_loops, num_returns=len(self.engine_loops), timeout=60)
         except Exception:  # noqa: BLE001 - teardown continues whatever state the actors are in
             pass
-        for actor in self.engines + self.learners:
+        for actor in self.engines:
             ray.kill(actor)
-        self.engines, self.learners = [], []
+        self.engines = []
+        if self.learner_group is not None:
+            self.learner_group.kill()
         if self.placement is not None:
             self.placement.remove()
         if self._started_ray:

@@ -39,6 +39,7 @@ from typing import Any
 from streamrl.config import Config, save_resolved
 from streamrl.monitor import HealthServer, RunMonitor
 from streamrl.orchestrate.cluster import Cluster
+from streamrl.orchestrate.learner_group import LearnerDied
 from streamrl.orchestrate.stop import StopRequest, clear_stop_request
 
 logger = logging.getLogger(__name__)
@@ -120,26 +121,39 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         replayed = cluster.get([cluster.learners[0].journal_steps.remote()], 60, "learner journal")[0]
         if replayed:
             logger.info("re-training steps %d-%d from the step journal", replayed[0], replayed[-1])
-        for step in range(first + 1, train.steps + 1):
-            if (
-                train.mode == "sync" and step not in replayed
-            ):  # this step's groups, sampled under the weights just published
+        published, logged = first, first  # the engines' version; the last step logged
+        step = first + 1
+        while step <= train.steps:
+            if train.mode == "sync" and step not in replayed and step > logged:  # groups sampled under these weights
                 cluster.allow_prompts(config.batching.groups_per_step)
-            metrics = cluster.learner_step(step)
+            try:
+                metrics = cluster.learner_step(step)
+            except LearnerDied as exc:  # the new group resumes from its checkpoint and re-trains its journal
+                cluster.restart_learners(exc)
+                step = start_step(cluster) + 1
+                replayed = cluster.get([cluster.learners[0].journal_steps.remote()], 60, "learner journal")[0]
+                continue
+            # Engines already run a version at least this new after a learner restart: nothing to send until past it.
             # A replaced engine (stale weight group) gets the current weights now, not at the next cadence.
-            if step % train.publish_every == 0 or cluster.publisher.stale:
+            due = step % train.publish_every == 0 or cluster.publisher.stale
+            if step > published and due:
                 metrics.update(cluster.publisher.publish(step))
+                published = step
             if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == train.steps):
                 metrics.update(save_checkpoint(cluster, step))
             stopped = stop.requested()
             if stopped and train.checkpoint_every and "perf/checkpoint_s" not in metrics:
                 metrics.update(save_checkpoint(cluster, step))  # drain: the step's update is committed
             metrics.update(cluster.engine_stats())
-            monitor.log(step, metrics)
+            metrics["train/learner_restarts"] = cluster.learner_group.restarts
+            if step > logged:  # a step re-trained after a learner restart was logged before it
+                monitor.log(step, metrics)
+                logged = step
             if health is not None:
                 health.update(step, metrics)
             if stopped:
                 break
+            step += 1
     finally:
         stop.close()
         if health is not None:

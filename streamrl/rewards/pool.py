@@ -5,7 +5,9 @@ once; `collect(pending)` returns its rewards (float32[n]) once every call has en
 call that raises, or runs past `task.reward_timeout_s`, scores `task.reward_on_error`, is counted (`failed`,
 `timed_out`) and logged with the prompt id. Calls run on `task.reward_workers` threads, or processes
 (`task.reward_processes`; by default for the `math` task, whose math-verify timeouts need a main thread): a process
-that times out is killed with its pool, and the other calls it held are sent to a fresh one. What scores a group is
+that times out is killed with its pool, and the other calls it held are sent to a fresh one. A process that dies
+by itself (a verifier that exhausts memory and is killed) breaks its pool the same way: a fresh pool takes the calls
+again, and a call whose process died twice scores `on_error` as failed. What scores a group is
 a `Scorer`: the task's built-in reward, a user's function (`task.reward`, per response or per group) or an HTTP
 service (`task.reward_url`, per response); see `streamrl.rewards.plugin`.
 """
@@ -67,6 +69,8 @@ class _Call:
     args: tuple[list[str], list[str], list[dict]]  # prompts, responses, metadata of those responses
     future: Future
     started: float
+    executor: Executor  # the pool it runs in
+    crashes: int = 0  # times the pool it ran in broke under it by itself
 
 
 @dataclass
@@ -97,7 +101,8 @@ class RewardPool:
         chunks = [list(range(len(responses)))] if per_group else [[i] for i in range(len(responses))]
         for slots in chunks:
             args = ([prompt] * len(slots), [responses[i] for i in slots], [metadata] * len(slots))
-            pending.calls.append(_Call(slots, args, self._executor.submit(self.scorer, *args), time.monotonic()))
+            future = self._executor.submit(self.scorer, *args)
+            pending.calls.append(_Call(slots, args, future, time.monotonic(), self._executor))
         return pending
 
     def collect(self, pending: PendingGroup) -> np.ndarray | None:
@@ -124,9 +129,19 @@ class RewardPool:
     def _take(self, pending: PendingGroup, call: _Call) -> None:
         try:
             pending.rewards[call.slots] = call.future.result()
-        except (BrokenExecutor, CancelledError):  # its pool was restarted under it: score it again
-            call.future, call.started = self._executor.submit(self.scorer, *call.args), time.monotonic()
-            return
+        except (BrokenExecutor, CancelledError) as exc:  # its pool was restarted, or a process of it died
+            if call.executor is self._executor:  # broke by itself (a worker killed, e.g. out of memory)
+                call.crashes += 1
+                self._restart()
+            if call.crashes < 2:
+                call.future, call.started = self._executor.submit(self.scorer, *call.args), time.monotonic()
+                call.executor = self._executor
+                return
+            self.failed += len(call.slots)
+            logger.warning(
+                "reward of prompt %s: its process died twice (%s): scored %s", pending.prompt_id, exc, self.on_error
+            )
+            pending.rewards[call.slots] = self.on_error
         except Exception as exc:  # noqa: BLE001 - a user's reward may raise anything; it scores on_error
             self.failed += len(call.slots)
             logger.warning(

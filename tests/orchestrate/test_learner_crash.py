@@ -1,4 +1,6 @@
-"""A learner killed between two checkpoints: the job resumed on its run directory re-trains the steps after the
+"""A learner killed between two checkpoints, in a job that ends with it and in one that restarts its learner group.
+
+Across jobs: the job resumed on its run directory re-trains the steps after the
 checkpoint from the step journal (the same groups, in the same steps), comes back to the weights it had when it
 died, and goes on; every group it trained is in the ledger exactly once.
 
@@ -12,13 +14,15 @@ before job two's cursor is in the ledger or still queued, exactly once (no stale
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import ray
 
 from streamrl.orchestrate.cluster import Cluster
-from streamrl.orchestrate.driver import prepare_run, save_checkpoint, start_step
+from streamrl.orchestrate.driver import prepare_run, run_steps, save_checkpoint, start_step
 from streamrl.queue import QueueKeys
 from tests.orchestrate.parity import learner_logprobs, tiny_config
 
@@ -67,3 +71,44 @@ def test_a_killed_learner_resumes_from_its_checkpoint_and_journal(tmp_path: Path
     indices = sorted(int(group.rsplit("-p", 1)[1]) for group in trained + queued)
     assert indices[: cursor["index"]] == list(range(cursor["index"]))
     assert len(indices) == len(set(indices))
+
+
+def _ledger(config) -> list[dict]:
+    path = config.run.dir / "trained_groups.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_learner_rank_dying_mid_run_restarts_the_group_and_the_run_finishes(tmp_path: Path) -> None:
+    """In one job: learner rank 0 is killed once step 5 is in the ledger; the driver restarts the learner group,
+    which resumes from the checkpoint of step 3 and re-trains the journal, while the engine keeps generating."""
+    config = tiny_config(
+        tmp_path,
+        f"train.steps={STEPS}",
+        f"train.checkpoint_every={CHECKPOINT}",
+        "queue.max_staleness=100",
+        "learner.max_restarts=1",
+        "wandb.mode=disabled",
+    )
+    prepare_run(config)
+
+    def kill_after_step_5(cluster: Cluster) -> None:
+        deadline = time.monotonic() + 300
+        while not any(row["step"] == KILLED_AFTER for row in _ledger(config)):
+            assert time.monotonic() < deadline, "step 5 never committed"
+            time.sleep(0.05)
+        ray.kill(cluster.learners[0])
+
+    with Cluster(config) as cluster:
+        killer = threading.Thread(target=kill_after_step_5, args=(cluster,))
+        killer.start()
+        history = run_steps(cluster, config, show_progress=False).history
+        killer.join()
+        engines_restarted = cluster.engine_stats()["rollout/engines_restarted"]
+    assert [row["train/policy_version"] for row in history] == list(range(1, STEPS + 1))  # each step logged once
+    assert history[-1]["train/learner_restarts"] == 1 and engines_restarted == 0
+    ledger = _ledger(config)
+    assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))
+    replayed = [row["step"] for row in ledger if row["replayed"]]
+    assert replayed[:2] == [4, 5] and replayed == list(range(4, 4 + len(replayed)))  # 6 too if it committed
+    trained = [group for row in ledger for group in row["groups"]]
+    assert len(trained) == len(set(trained)) == STEPS * config.batching.groups_per_step

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 
@@ -20,4 +22,11 @@ def slow_or_broken(prompt: str, response: str, metadata: dict) -> float:
         time.sleep(30)
     if response == "raise":
         raise RuntimeError("the verifier broke")
+    return 1.0
+
+
+def killed_by_the_system(prompt: str, response: str, metadata: dict) -> float:
+    """A verifier whose process dies (as the out-of-memory killer would end it) on one response."""
+    if response == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
     return 1.0

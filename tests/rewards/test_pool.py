@@ -101,6 +101,24 @@ def test_a_pathological_math_answer_does_not_stall_the_pool(tmp_path: Path) -> N
     pool.close()
 
 
+def test_a_reward_process_that_dies_breaks_nothing_else() -> None:
+    """Processes: a call whose process is killed is scored again in a fresh pool, and after a second death scores
+    on_error, counted as failed; the other calls of the pool score normally."""
+    pool = RewardPool(TaskConfig(reward=f"{PLUGIN}:killed_by_the_system", reward_processes=True, reward_workers=2))
+    dying = pool.submit("dying", "?", "#", ["die"])
+    fine = pool.submit("fine", "?", "#", ["ok", "ok"])
+    deadline, results = time.monotonic() + 30, {}
+    while len(results) < 2:
+        assert time.monotonic() < deadline, "the pool stalled"
+        for name, pending in (("dying", dying), ("fine", fine)):
+            if name not in results and (rewards := pool.collect(pending)) is not None:
+                results[name] = rewards
+        time.sleep(0.02)
+    assert results["dying"].tolist() == [0.0] and results["fine"].tolist() == [1.0, 1.0]
+    assert pool.failed == 1
+    pool.close()
+
+
 def test_reward_settings_are_checked(tmp_path: Path) -> None:
     config = Path(__file__).parents[2] / "configs" / "tiny.yaml"
     with pytest.raises(ConfigError, match="task.reward_url"):

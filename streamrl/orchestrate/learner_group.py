@@ -1,0 +1,96 @@
+"""The learner ranks as one group: started together, stepped together, restarted together when one dies.
+
+Contract: `LearnerGroup(config, placement, redis_url, redis_password)`; `start()` creates one `LearnerWorker` actor per
+rank of `learner.world_size` (a fresh rendezvous port each time) and waits until every rank is ready (each loads the
+latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics; a rank
+whose actor died raises `LearnerDied` as soon as it is seen (the other ranks would wait in a collective until their
+timeout). `restart()` kills every rank and starts the group again: a learner's state lives in its checkpoint and
+journal, so the new ranks come back to where the old ones were while the engines keep generating into the queue
+(bounded by its backlog). It is counted; past `learner.max_restarts` it raises with the reason instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from streamrl.config import Config
+from streamrl.orchestrate.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+
+class LearnerDied(RuntimeError):
+    """A learner rank's actor died (its process was killed or crashed)."""
+
+
+class LearnerGroup:
+    def __init__(self, config: Config, placement: Placement, redis_url: str, redis_password: str | None) -> None:
+        self.config, self.placement = config, placement
+        self.redis_url, self.redis_password = redis_url, redis_password
+        self.ranks: list[Any] = []
+        self.senders: list[Any] = []  # the ranks that send weights: the first of each pipeline stage
+        self.restarts = 0
+        self.ready: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        import ray
+
+        from streamrl.learner import LearnerWorker
+
+        learner_cls = ray.remote(LearnerWorker)
+        host, port = self.placement.rendezvous()
+        port = self.config.learner.master_port if self.config.learner.master_port and not self.restarts else port
+        self.ranks = [
+            learner_cls.options(**self.placement.learner_options(r)).remote(
+                self.config, r, host, port, self.redis_url, self.redis_password
+            )
+            for r in range(self.config.learner.world_size)
+        ]
+        self.ready = self._get([r.ready.remote() for r in self.ranks], self.config.learner.step_timeout_s, "start-up")
+        sending = self._get([r.is_sender.remote() for r in self.ranks], 60, "roles")
+        self.senders = [r for r, sends in zip(self.ranks, sending, strict=True) if sends]
+
+    def step(self, number: int) -> dict[str, float]:
+        refs = [r.step.remote() for r in self.ranks]
+        return self._get(refs, self.config.learner.step_timeout_s, f"step {number}")[0]
+
+    def restart(self, reason: BaseException) -> None:
+        import ray
+
+        budget = self.config.learner.max_restarts
+        if self.restarts >= budget:
+            raise RuntimeError(
+                f"learner.max_restarts: a learner rank died after {self.restarts} restarts of the learner group "
+                f"(the budget is {budget}); see {self.config.run.dir / 'logs'}"
+            ) from reason
+        logger.warning("learner group: a rank died (%s); restarting from the latest checkpoint", reason)
+        for rank in self.ranks:
+            ray.kill(rank)
+        self.restarts += 1
+        self.start()
+
+    def kill(self) -> None:
+        import ray
+
+        for rank in self.ranks:
+            ray.kill(rank)
+        self.ranks, self.senders = [], []
+
+    def _get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+        """Every rank's answer within `timeout_s`; a dead rank raises `LearnerDied` at once."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, timeout_s))
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise LearnerDied(f"learner {what}: rank {refs.index(ref)} died ({exc})") from exc
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"learner {what}: no answer within {timeout_s}s")
+        return ray.get(refs)
