@@ -31,7 +31,11 @@ STEPS, CHECKPOINT, KILLED_AFTER = 8, 3, 5
 
 def test_a_killed_learner_resumes_from_its_checkpoint_and_journal(tmp_path: Path) -> None:
     config = tiny_config(
-        tmp_path, f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT}", "wandb.mode=disabled"
+        tmp_path,
+        f"train.steps={STEPS}",
+        f"train.checkpoint_every={CHECKPOINT}",
+        "queue.max_staleness=100",
+        "wandb.mode=disabled",
     )
     prepare_run(config)
     with Cluster(config) as cluster:
