@@ -6,8 +6,9 @@ call that raises, or runs past `task.reward_timeout_s`, scores `task.reward_on_e
 `timed_out`) and logged with the prompt id. Calls run on `task.reward_workers` threads, or processes
 (`task.reward_processes`; by default for the `math` task, whose math-verify timeouts need a main thread): a process
 that times out is killed with its pool, and the other calls it held are sent to a fresh one. A process that dies
-by itself (a verifier that exhausts memory and is killed) breaks its pool the same way: a fresh pool takes the calls
-again, and a call whose process died twice scores `on_error` as failed. What scores a group is
+by itself (a verifier that exhausts memory and is killed) breaks its pool, and nobody can tell which call did it:
+the shared pool is replaced and each call it held runs again alone, in a one-process pool of its own, so the culprit
+dies alone; a call whose own process died twice scores `on_error` as failed. What scores a group is
 a `Scorer`: the task's built-in reward, a user's function (`task.reward`, per response or per group) or an HTTP
 service (`task.reward_url`, per response); see `streamrl.rewards.plugin`.
 """
@@ -70,7 +71,8 @@ class _Call:
     future: Future
     started: float
     executor: Executor  # the pool it runs in
-    crashes: int = 0  # times the pool it ran in broke under it by itself
+    alone: bool = False  # runs in a one-process pool of its own (after its shared pool broke under it)
+    crashes: int = 0  # times the one-process pool it ran in alone died under it
 
 
 @dataclass
@@ -121,7 +123,10 @@ class RewardPool:
                 )
                 pending.rewards[call.slots] = self.on_error
                 pending.calls.remove(call)
-                restart = self.processes  # a thread cannot be stopped; a process can
+                if call.executor is self._executor:
+                    restart = self.processes  # a thread cannot be stopped; a process can
+                else:
+                    _kill(call.executor)  # its own pool
         if restart:
             self._restart()
         return None if pending.calls else pending.rewards
@@ -130,12 +135,18 @@ class RewardPool:
         try:
             pending.rewards[call.slots] = call.future.result()
         except (BrokenExecutor, CancelledError) as exc:  # its pool was restarted, or a process of it died
-            if call.executor is self._executor:  # broke by itself (a worker killed, e.g. out of memory)
-                call.crashes += 1
+            shared = call.executor is self._executor and self.processes
+            if shared:  # the shared pool broke by itself (a worker killed, e.g. out of memory): which call did it?
                 self._restart()
+            if call.alone:  # its own process died: this call is the one
+                call.crashes += 1
+                _kill(call.executor)
             if call.crashes < 2:
-                call.future, call.started = self._executor.submit(self.scorer, *call.args), time.monotonic()
-                call.executor = self._executor
+                if shared or call.alone:
+                    call.executor, call.alone = ProcessPoolExecutor(1), True  # run again alone
+                else:  # an old shared pool we restarted (a timeout elsewhere): the fresh shared pool takes it
+                    call.executor = self._executor
+                call.future, call.started = call.executor.submit(self.scorer, *call.args), time.monotonic()
                 return
             self.failed += len(call.slots)
             logger.warning(
@@ -152,18 +163,25 @@ class RewardPool:
                 self.on_error,
             )
             pending.rewards[call.slots] = self.on_error
+        if call.alone:
+            _kill(call.executor)
         pending.calls.remove(call)
 
     def _restart(self) -> None:
-        """Kill the process pool (a worker is stuck in a call) and start a fresh one."""
+        """Kill the shared process pool (a worker is stuck in a call, or died) and start a fresh one."""
         old = self._executor
         self._executor = self._new_executor()
-        for process in list((getattr(old, "_processes", None) or {}).values()):
-            process.kill()
-        old.shutdown(wait=False, cancel_futures=True)
+        _kill(old)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
         if self.processes:
-            for process in list((getattr(self._executor, "_processes", None) or {}).values()):
-                process.kill()
+            _kill(self._executor)
+        else:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _kill(executor: Executor) -> None:
+    """Stop a process pool now: its processes killed, its pending calls cancelled."""
+    for process in list((getattr(executor, "_processes", None) or {}).values()):
+        process.kill()
+    executor.shutdown(wait=False, cancel_futures=True)

@@ -1,5 +1,7 @@
-"""Helpers shared by the end-to-end tests: the tiny config in a temp dir, engine-vs-learner log-probs."""
+"""Helpers shared by the end-to-end tests: the tiny config in a temp dir, engine-vs-learner log-probs, and the
+exactly-once check of a run's groups and prompts from its own records."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -7,6 +9,7 @@ import ray
 
 from streamrl.config import Config, load_config
 from streamrl.orchestrate.cluster import Cluster
+from streamrl.queue import QueueKeys
 
 CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 PARITY_TOL = 1e-3
@@ -52,3 +55,24 @@ def train_and_publish(cluster: Cluster, steps: int) -> None:
     for step in range(1, steps + 1):
         cluster.learner_step(step)
         cluster.publisher.publish(step)
+
+
+def ledger(config: Config) -> list[dict]:
+    """The run's ledger of trained steps (`RUN_DIR/trained_groups.jsonl`), one dict per step."""
+    path = config.run.dir / "trained_groups.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_every_prompt_once(cluster: Cluster, config: Config) -> None:
+    """No group is in the ledger twice, and every prompt before each engine's cursor made exactly one group, trained
+    (in the ledger) or still in the stream: none skipped, none sampled twice. For runs without stale drops."""
+    trained = [group for row in ledger(config) for group in row["groups"]]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    keys = QueueKeys(config.run.name)
+    queued = [fields[b"i"].decode() for _, fields in cluster.redis_client.xrange(keys.stream)]
+    cursors = {k.decode(): json.loads(v)["index"] for k, v in cluster.redis_client.hgetall(keys.prompt_cursors).items()}
+    assert cursors, "no engine saved a prompt cursor"
+    for engine, cursor in cursors.items():
+        indices = sorted(int(g.rsplit("-p", 1)[1]) for g in trained + queued if g.startswith(f"{engine}-e0-"))
+        assert len(indices) == len(set(indices)), f"{engine}: a prompt made two groups"
+        assert indices[:cursor] == list(range(cursor)), f"{engine}: a prompt before its cursor {cursor} was skipped"

@@ -1,6 +1,7 @@
 """Engine faults during a run: an engine that dies while it is a member of the weight group makes the
 next publish fail part-way; that neither hangs the learner nor leaves a half-updated engine, and the
-replacement catches up to the latest version by itself."""
+replacement catches up to the latest version by itself, continuing the dead engine's prompt stream: no prompt
+skipped, none made into two groups."""
 
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import ray
 
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run
-from tests.orchestrate.parity import assert_logprob_parity, tiny_config
+from tests.orchestrate.parity import assert_every_prompt_once, assert_logprob_parity, tiny_config
 
 
 @pytest.mark.slow
@@ -21,6 +22,7 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
         "wandb.mode=disabled",
         "train.publish_timeout_s=30",
         "train.publish_bucket_bytes=1024",
+        "queue.max_staleness=100",
     )  # one bucket per tensor: the failure hits mid-version
     prepare_run(config)
     with Cluster(config) as cluster:
@@ -43,6 +45,8 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
         for engine in (0, 1):  # whole versions only: both match the learner token by token
             assert_logprob_parity(cluster, config, engine)
         cluster.learner_step(3)  # and training goes on
+        # The replacement resumed engine 1's prompt stream at the oldest prompt whose group had not reached the stream.
+        assert_every_prompt_once(cluster, config)
 
 
 def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ before job two's cursor is in the ledger or still queued, exactly once (no stale
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -23,8 +22,7 @@ import ray
 
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, run_steps, save_checkpoint, start_step
-from streamrl.queue import QueueKeys
-from tests.orchestrate.parity import learner_logprobs, tiny_config
+from tests.orchestrate.parity import assert_every_prompt_once, learner_logprobs, ledger, tiny_config
 
 STEPS, CHECKPOINT, KILLED_AFTER = 8, 3, 5
 
@@ -61,25 +59,14 @@ def test_a_killed_learner_resumes_from_its_checkpoint_and_journal(tmp_path: Path
                 assert cluster.learner_step(step)["train/replayed"] == 0.0
             cluster.publisher.publish(step)
         save_checkpoint(cluster, STEPS)
-        keys = QueueKeys(config.run.name)
-        cursor = json.loads(cluster.redis_client.hget(keys.prompt_cursors, "engine-0"))
-        queued = [fields[b"i"].decode() for _, fields in cluster.redis_client.xrange(keys.stream)]
+        assert_every_prompt_once(cluster, config)
     assert replayed == [1.0, 1.0]
     assert not list(journal.iterdir())  # the final checkpoint holds every step
-    ledger = [json.loads(line) for line in (config.run.dir / "trained_groups.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))
-    assert [row["replayed"] for row in ledger] == [False] * 3 + [True] * 2 + [False] * 3
-    trained = [group for row in ledger for group in row["groups"]]
+    rows = ledger(config)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert [row["replayed"] for row in rows] == [False] * 3 + [True] * 2 + [False] * 3
+    trained = [group for row in rows for group in row["groups"]]
     assert len(trained) == len(set(trained)) == STEPS * config.batching.groups_per_step  # none twice, none lost
-    # Every prompt before the cursor made exactly one group, trained or queued: none skipped, none sampled twice.
-    indices = sorted(int(group.rsplit("-p", 1)[1]) for group in trained + queued)
-    assert indices[: cursor["index"]] == list(range(cursor["index"]))
-    assert len(indices) == len(set(indices))
-
-
-def _ledger(config) -> list[dict]:
-    path = config.run.dir / "trained_groups.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_a_learner_rank_dying_mid_run_restarts_the_group_and_the_run_finishes(tmp_path: Path) -> None:
@@ -97,7 +84,7 @@ def test_a_learner_rank_dying_mid_run_restarts_the_group_and_the_run_finishes(tm
 
     def kill_after_step_5(cluster: Cluster) -> None:
         deadline = time.monotonic() + 300
-        while not any(row["step"] == KILLED_AFTER for row in _ledger(config)):
+        while not any(row["step"] == KILLED_AFTER for row in ledger(config)):
             assert time.monotonic() < deadline, "step 5 never committed"
             time.sleep(0.05)
         ray.kill(cluster.learners[0])
@@ -107,12 +94,13 @@ def test_a_learner_rank_dying_mid_run_restarts_the_group_and_the_run_finishes(tm
         killer.start()
         history = run_steps(cluster, config, show_progress=False).history
         killer.join()
+        assert_every_prompt_once(cluster, config)
         engines_restarted = cluster.engine_stats()["rollout/engines_restarted"]
     assert [row["train/policy_version"] for row in history] == list(range(1, STEPS + 1))  # each step logged once
     assert history[-1]["train/learner_restarts"] == 1 and engines_restarted == 0
-    ledger = _ledger(config)
-    assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))
-    replayed = [row["step"] for row in ledger if row["replayed"]]
+    rows = ledger(config)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    replayed = [row["step"] for row in rows if row["replayed"]]
     assert replayed[:2] == [4, 5] and replayed == list(range(4, 4 + len(replayed)))  # 6 too if it committed
-    trained = [group for row in ledger for group in row["groups"]]
+    trained = [group for row in rows for group in row["groups"]]
     assert len(trained) == len(set(trained)) == STEPS * config.batching.groups_per_step
