@@ -236,6 +236,10 @@ class Cluster:
         self.check_engines()
         return self.learner_group.step(step)
 
+    def check_learners(self) -> None:
+        """Raise `LearnerDied` if a learner rank is gone (the publisher asks after a failed publish)."""
+        self.learner_group.check()
+
     def restart_learners(self, reason: BaseException) -> None:
         """Restart the learner group after a rank died (see `LearnerGroup.restart`); the engines keep generating and
         join new weight groups at the next publish."""

@@ -95,11 +95,7 @@ def start_step(cluster: Cluster) -> int:
 def save_checkpoint(cluster: Cluster, step: int) -> dict[str, float]:
     """Every learner rank writes its part of the checkpoint of `step`; returns checkpoint metrics."""
     start = time.perf_counter()
-    cluster.get(
-        [rank.save_checkpoint.remote(step) for rank in cluster.learners],
-        cluster.config.learner.step_timeout_s,
-        f"checkpoint of step {step}",
-    )
+    cluster.learner_group.call("save_checkpoint", (step,), f"checkpoint of step {step}")
     return {"perf/checkpoint_s": time.perf_counter() - start}
 
 
@@ -128,19 +124,19 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
                 cluster.allow_prompts(config.batching.groups_per_step)
             try:
                 metrics = cluster.learner_step(step)
+                # Engines already run a version at least this new after a learner restart: nothing to send until
+                # past it. A replaced engine (stale weight group) gets the current weights now, not at the cadence.
+                due = step % train.publish_every == 0 or cluster.publisher.stale
+                if step > published and due:
+                    metrics.update(cluster.publisher.publish(step))
+                    published = step
+                if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == train.steps):
+                    metrics.update(save_checkpoint(cluster, step))
             except LearnerDied as exc:  # the new group resumes from its checkpoint and re-trains its journal
                 cluster.restart_learners(exc)
                 step = start_step(cluster) + 1
                 replayed = cluster.get([cluster.learners[0].journal_steps.remote()], 60, "learner journal")[0]
                 continue
-            # Engines already run a version at least this new after a learner restart: nothing to send until past it.
-            # A replaced engine (stale weight group) gets the current weights now, not at the next cadence.
-            due = step % train.publish_every == 0 or cluster.publisher.stale
-            if step > published and due:
-                metrics.update(cluster.publisher.publish(step))
-                published = step
-            if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == train.steps):
-                metrics.update(save_checkpoint(cluster, step))
             stopped = stop.requested()
             if stopped and train.checkpoint_every and "perf/checkpoint_s" not in metrics:
                 metrics.update(save_checkpoint(cluster, step))  # drain: the step's update is committed

@@ -2,11 +2,12 @@
 
 Contract: `LearnerGroup(config, placement, redis_url, redis_password)`; `start()` creates one `LearnerWorker` actor per
 rank of `learner.world_size` (a fresh rendezvous port each time) and waits until every rank is ready (each loads the
-latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics; a rank
-whose actor died raises `LearnerDied` as soon as it is seen (the other ranks would wait in a collective until their
-timeout). `restart()` kills every rank and starts the group again: a learner's state lives in its checkpoint and
-journal, so the new ranks come back to where the old ones were while the engines keep generating into the queue
-(bounded by its backlog). It is counted; past `learner.max_restarts` it raises with the reason instead.
+latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics, `call`
+any other method on every rank; a rank whose actor died raises `LearnerDied` as soon as it is seen (the other ranks
+would wait in a collective until their timeout), and `check()` raises it when a rank is gone. `restart()` kills
+every rank and starts the group again: a learner's state lives in its checkpoint and journal, so the new ranks come
+back to where the old ones were while the engines keep generating into the queue (bounded by its backlog). It is
+counted; past `learner.max_restarts` it raises with the reason instead.
 """
 
 from __future__ import annotations
@@ -53,8 +54,16 @@ class LearnerGroup:
         self.senders = [r for r, sends in zip(self.ranks, sending, strict=True) if sends]
 
     def step(self, number: int) -> dict[str, float]:
-        refs = [r.step.remote() for r in self.ranks]
-        return self._get(refs, self.config.learner.step_timeout_s, f"step {number}")[0]
+        return self.call("step", (), f"step {number}")[0]
+
+    def call(self, method: str, args: tuple, what: str) -> list[Any]:
+        """`method(*args)` on every rank, bounded by `learner.step_timeout_s`; a dead rank raises `LearnerDied`."""
+        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        return self._get(refs, self.config.learner.step_timeout_s, what)
+
+    def check(self) -> None:
+        """Raise `LearnerDied` if a rank's actor is gone (after a collective with the ranks failed)."""
+        self._get([r.start_step.remote() for r in self.ranks], 60, "liveness check")
 
     def restart(self, reason: BaseException) -> None:
         import ray

@@ -84,6 +84,8 @@ class Fleet(Protocol):
 
     def replace_dead_engines(self) -> bool: ...
 
+    def check_learners(self) -> None: ...
+
     def announce_version(self, version: int) -> None: ...
 
 
@@ -126,6 +128,7 @@ class Publisher:
                 per_rank = fleet.get(sends, self.train.publish_timeout_s, f"publish of version {version}")
                 running = fleet.get(receives, self.train.publish_timeout_s, f"engines applying {version}")
             except (ray.exceptions.RayError, TimeoutError) as exc:
+                fleet.check_learners()  # a dead learner rank is the learner group's restart, not an engine's
                 if not fleet.replace_dead_engines() or attempt == 2:
                     raise RuntimeError(f"publish of version {version} failed and no engine was found dead") from exc
                 logger.warning("publish of version %d hit a dead engine; retrying (%s)", version, exc)
