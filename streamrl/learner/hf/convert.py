@@ -47,6 +47,7 @@ layers of a DeepSeek checkpoint (indices >= `num_hidden_layers`) are not part of
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -58,6 +59,7 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from streamrl.learner.hf.checkpoint_files import CheckpointTensors
+from streamrl.learner.hf.fp8 import dequantized_view
 from streamrl.learner.hf.names import (
     COLUMN,
     GLU,
@@ -76,6 +78,8 @@ from streamrl.learner.model.gpt import head_dim, is_expert_parameter, num_query_
 from streamrl.learner.model.layout import check_tensor_and_expert_split
 from streamrl.learner.model.mla import is_mla, rope_interleaved, rope_rows_to_hf, rope_rows_to_megatron
 from streamrl.learner.model.moe import num_experts
+
+logger = logging.getLogger(__name__)
 
 
 def _rope_rows(name: str, hf_config: dict[str, Any]) -> tuple[int, int] | None:
@@ -183,8 +187,13 @@ def hf_to_megatron(
     known = {
         hf for name in megatron_names(hf_config) for n in part_names(name, every_expert) for hf in hf_sources(n, mla)[0]
     }
+    mtp = {n for n in hf_state if _is_mtp(n, hf_config)}
+    if mtp:
+        logger.info(
+            "skipping %d multi-token-prediction tensors (layers >= num_hidden_layers): RL trains without MTP", len(mtp)
+        )
+    leftover = {n for n in hf_state if n not in known and not IGNORED_HF.fullmatch(n) and n not in mtp}
     # A tied checkpoint may still store lm_head.weight (a copy of the embedding); the model has no slot for it.
-    leftover = {n for n in hf_state if n not in known and not IGNORED_HF.fullmatch(n) and not _is_mtp(n, hf_config)}
     if hf_config.get("tie_word_embeddings", False):
         leftover.discard("lm_head.weight")
     if leftover:
@@ -305,7 +314,9 @@ def stream_hf_weights(
             yield from megatron_to_hf({name: full}, hf_config)
 
 
-def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], CheckpointTensors]:
-    """`config.json` of a HF checkpoint directory and its tensors, each read when looked up (`CheckpointTensors`)."""
+def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], Mapping[str, Tensor]]:
+    """`config.json` of a HF checkpoint directory and its tensors, each read when looked up (`CheckpointTensors`;
+    block-wise FP8 weights dequantised to bf16 on read, `fp8.dequantized_view`)."""
     path = Path(path)
-    return json.loads((path / "config.json").read_text()), CheckpointTensors(path)
+    hf_config = json.loads((path / "config.json").read_text())
+    return hf_config, dequantized_view(hf_config, CheckpointTensors(path))
