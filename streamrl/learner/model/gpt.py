@@ -52,6 +52,7 @@ from streamrl.learner.model.moe import (
     moe_layers,
     num_experts,
 )
+from streamrl.learner.model.rope import rope_theta, scale_rotary_frequencies
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", *MOE_ARCHITECTURES)
 
@@ -77,18 +78,6 @@ def has_qkv_bias(hf_config: dict[str, Any]) -> bool:
 def has_qk_layernorm(hf_config: dict[str, Any]) -> bool:
     """Qwen3 (dense and MoE) RMS-normalises each query/key head before RoPE."""
     return architecture(hf_config) in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-
-
-def _rope_theta(hf_config: dict[str, Any]) -> float:
-    # transformers 5 nests RoPE settings under `rope_parameters`; older configs keep them top-level.
-    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_parameters.rope_type: only 'default' RoPE is supported, got {rope_type!r}")
-    theta = rope.get("rope_theta", hf_config.get("rope_theta"))
-    if theta is None:
-        raise ValueError("rope_theta: missing from both the config and its rope_parameters")
-    return float(theta)
 
 
 def _check_supported(hf_config: dict[str, Any]) -> None:
@@ -306,9 +295,11 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_percent=1.0,
         # MLA applies RoPE inside its attention, from the config's rope fields; the others use GPTModel's table.
-        rotary_base=config.rotary_base if is_mla(hf_config) else _rope_theta(hf_config),
+        rotary_base=config.rotary_base if is_mla(hf_config) else rope_theta(hf_config),
         vp_stage=vp_stage,
     )
+    if not is_mla(hf_config):
+        scale_rotary_frequencies(model, hf_config)  # Llama-3.x scaling, with the checkpoint's parameters
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

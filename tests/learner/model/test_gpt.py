@@ -83,6 +83,32 @@ def test_tp1_matches_hf(tp1_world: None, tiny_model_dirs: Callable[[str], Path],
     _check_against_hf(tiny_model_dirs(arch), *_megatron_logprobs_and_grads(model, hf_config))
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # short, so the tiny head's low frequencies are scaled
+    "rope_theta": 10000.0,
+}
+
+
+def test_llama3_rope_scaling_matches_hf(tp1_world: None, tmp_path: Path) -> None:
+    """Llama-3.x RoPE scaling with the checkpoint's own parameters (Megatron's switch would fix all but the factor);
+    a rope type the model cannot build is refused, naming the key."""
+    from streamrl.models.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "llama3", "llama", rope_parameters=LLAMA3_ROPE)
+    hf_config, hf_state = load_hf_checkpoint(model_dir)
+    model = build_gpt_model(hf_config)
+    load_hf_weights(model, hf_state, hf_config)
+    _check_against_hf(model_dir, *_megatron_logprobs_and_grads(model, hf_config))
+    plain = build_gpt_model({**hf_config, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    assert not torch.equal(plain.rotary_pos_emb.inv_freq, model.rotary_pos_emb.inv_freq)  # the scaling did act
+    with pytest.raises(ValueError, match="rope_parameters.rope_type"):
+        build_gpt_model({**hf_config, "rope_parameters": {**LLAMA3_ROPE, "rope_type": "longrope"}})
+
+
 def _tp2_rank(rank: int, port: int, model_dirs: dict[str, Path], out_dir: Path) -> None:
     """One TP=2 rank: per arch, save (logprobs, grads, weights) to `out_dir/{arch}-{rank}.pt`."""
     with record_errors(out_dir, rank):
