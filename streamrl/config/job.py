@@ -43,6 +43,11 @@ class ModelConfig(_Section):
     init_if_missing: TinyModelInit | None = Field(
         None, description="If set and `path` has no config.json, write a random tiny model there first."
     )
+    trust_remote_code: bool = Field(
+        False,
+        description="Run the checkpoint's own Python code for its tokenizer and model config (Moonlight needs it); "
+        "only for checkpoints you trust.",
+    )
 
 
 class TaskConfig(_Section):

@@ -16,6 +16,7 @@ service (`task.reward_url`, per response); see `streamrl.rewards.plugin`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 from concurrent.futures import BrokenExecutor, CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from streamrl.config import TaskConfig
 from streamrl.rewards.math import math_reward
 from streamrl.rewards.plugin import call_service, call_spec, load_function
 from streamrl.rewards.symbols import symbols_reward
+
+STARTUP_TIMEOUT_S = 120.0  # bound on starting a pool's reward processes (imports included)
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,9 @@ class RewardPool:
         self._executor = self._new_executor()
 
     def _new_executor(self) -> Executor:
-        return ProcessPoolExecutor(self.workers) if self.processes else ThreadPoolExecutor(self.workers, "reward")
+        if not self.processes:
+            return ThreadPoolExecutor(self.workers, "reward")
+        return _process_pool(self.workers)
 
     def submit(self, prompt_id: str, prompt: str, answer: str, responses: list[str]) -> PendingGroup:
         pending = PendingGroup(prompt_id, np.zeros(len(responses), np.float32))
@@ -143,7 +148,7 @@ class RewardPool:
                 _kill(call.executor)
             if call.crashes < 2:
                 if shared or call.alone:
-                    call.executor, call.alone = ProcessPoolExecutor(1), True  # run again alone
+                    call.executor, call.alone = _process_pool(1), True  # run again alone
                 else:  # an old shared pool we restarted (a timeout elsewhere): the fresh shared pool takes it
                     call.executor = self._executor
                 call.future, call.started = call.executor.submit(self.scorer, *call.args), time.monotonic()
@@ -178,6 +183,22 @@ class RewardPool:
             _kill(self._executor)
         else:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _ready() -> bool:
+    return True
+
+
+def _process_pool(workers: int) -> ProcessPoolExecutor:
+    """Reward processes forked from a clean server process, never from the engine's (whose threads and native
+    libraries a fork would copy mid-state: children died at once that way), started now rather than inside the
+    first calls' timeouts."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["streamrl.rewards.math", "streamrl.rewards.plugin"])
+    executor = ProcessPoolExecutor(workers, mp_context=context)
+    for started in [executor.submit(_ready) for _ in range(workers)]:
+        started.result(timeout=STARTUP_TIMEOUT_S)
+    return executor
 
 
 def _kill(executor: Executor) -> None:

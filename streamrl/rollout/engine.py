@@ -62,6 +62,7 @@ class VLLMEngine:
         seed: int = 0,
         enforce_eager: bool = True,
         record_routes: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
@@ -82,6 +83,7 @@ class VLLMEngine:
             kv_cache_memory_bytes=kv_cache_bytes,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
+            trust_remote_code=trust_remote_code,
             # MoE routing replay: vLLM returns each completion's experts per position and layer when it finishes.
             **({"enable_return_routed_experts": True} if record_routes else {}),
         )

@@ -63,8 +63,11 @@ class RolloutWorker:
             enforce_eager=config.run.device == "cpu" if rollout.enforce_eager is None else rollout.enforce_eager,
             seed=config.run.seed + engine_index,
             record_routes=config.loss.routing_replay == "rollout",
+            trust_remote_code=config.model.trust_remote_code,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            str(config.model.path), trust_remote_code=config.model.trust_remote_code
+        )
         self.prompts = PromptSource(config.task, seed=config.run.seed * 1000 + engine_index)
         self.rewards = RewardPool(config.task)
         self._scoring: list[tuple[str, list[int], list[Sample], PendingGroup]] = []  # finished, being scored
