@@ -51,6 +51,10 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "learner": {"recompute": "selective", "recompute_num_layers": 2}})
     with pytest.raises(ConfigError, match=r"learner\.recompute: .*'none', 'selective' or 'full'"):
         build_config({**BASE, "learner": {"recompute": "some"}})
+    with pytest.raises(ConfigError, match=r"loss\.routing_replay: 'rollout' needs engines on run\.device=cuda"):
+        build_config({**BASE, "loss": {"routing_replay": "rollout"}})
+    with pytest.raises(ConfigError, match=r"train\.parity_every: engines serve lagged weights"):
+        build_config({**BASE, "train": {"parity_every": 5, "publish_lag": 2}})
 
 
 def test_dotted_overrides_are_typed(tmp_path: Path) -> None:
