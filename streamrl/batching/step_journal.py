@@ -6,11 +6,13 @@ journal, so after any crash a resumed learner first re-trains steps c+1, c+2, ..
 were composed, and is back where it stopped: no acked group is lost, none is trained twice.
 
 Contract (rank 0 of the learner, `StepSource`):
-- `record(step, admitted)` writes `step_{step:08d}.bin` (the step's stream entry ids and groups, msgpack of wire
-  bytes, never pickle) to a temporary file, fsyncs it and renames it into place: it is durable before the step's
-  groups are acked in Redis. A crash between the two leaves the step journaled and its entries pending; `resume`
-  acks them again (acks are idempotent), so they are not delivered a second time.
-- `prune(through)` deletes the steps a checkpoint of step `through` holds (after the checkpoint is complete).
+- `record(step, admitted, wire)` writes `step_{step:08d}.bin` (the step's stream entry ids and the groups' wire
+  bytes `wire`, already encoded for the broadcast to the ranks; msgpack, never pickle) to a temporary file, fsyncs
+  it and renames it into place: it is durable before the step's groups are acked in Redis. A crash between the two
+  leaves the step journaled and its entries pending; `resume` acks them again (acks are idempotent), so they are
+  not delivered a second time.
+- `prune(through)` deletes the steps a checkpoint of step `through` holds (after the checkpoint is complete);
+  `clear()` deletes them all (a fresh start).
 - `pending(after)` are the journaled steps after a checkpoint of step `after`, in order; they must follow it without
   a gap (a gap is a `ValueError` naming the journal). `load(step)` decodes one, validating it like a queue entry.
 - The ledger, `trained_groups.jsonl` next to the journal, lists the group ids of every step the current weights
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import msgpack
 
-from streamrl.queue import decode_group, encode_group
+from streamrl.queue import decode_group
 from streamrl.types import ConsumedGroup
 
 _PREFIX, _SUFFIX = "step_", ".bin"
@@ -52,8 +54,8 @@ class StepJournal:
     def steps(self) -> list[int]:
         return sorted(int(p.name[len(_PREFIX) : -len(_SUFFIX)]) for p in self.root.glob(f"{_PREFIX}*{_SUFFIX}"))
 
-    def record(self, step: int, admitted: list[ConsumedGroup]) -> None:
-        payload = msgpack.packb([[c.entry_id, encode_group(c.group)] for c in admitted])
+    def record(self, step: int, admitted: list[ConsumedGroup], wire: list[bytes]) -> None:
+        payload = msgpack.packb([[c.entry_id, blob] for c, blob in zip(admitted, wire, strict=True)])
         temporary = self._path(step).with_suffix(".tmp")
         with open(temporary, "wb") as handle:
             handle.write(payload)
@@ -72,10 +74,14 @@ class StepJournal:
         except Exception as exc:  # msgpack and the codec raise several types for a damaged file
             raise ValueError(f"step journal: {path} cannot be read ({type(exc).__name__}: {exc})") from exc
 
-    def prune(self, through: float) -> None:
+    def prune(self, through: int) -> None:
         for step in self.steps():
             if step <= through:
                 self._path(step).unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        for step in self.steps():
+            self._path(step).unlink(missing_ok=True)
 
     def pending(self, after: int) -> list[int]:
         steps = [s for s in self.steps() if s > after]

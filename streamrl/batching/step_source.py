@@ -58,6 +58,7 @@ class Step:
     admitted: list[ConsumedGroup]  # rank 0: the consumed entries to commit; empty elsewhere
     wait_s: float  # rank 0: seconds spent waiting for groups
     replayed: bool = False  # rank 0: re-trained from the step journal after a resume (already acked)
+    wire: list[bytes] | None = None  # rank 0: the groups' wire bytes (broadcast to the ranks, then journaled)
 
 
 class StepSource:
@@ -120,7 +121,7 @@ class StepSource:
         if self.journal is None:
             return []
         if completed is None:
-            self.journal.prune(float("inf"))
+            self.journal.clear()
             self.journal.truncate_ledger(-1)
             return []
         self.journal.prune(completed)
@@ -139,7 +140,9 @@ class StepSource:
         else:
             admitted = self._admit(learner_version) if self.consumer is not None else []
         wait_s = time.perf_counter() - start
-        groups = self._broadcast(admitted)
+        # Encoded once, on rank 0: the bytes other ranks receive are the ones the journal keeps.
+        wire = [encode_group(c.group) for c in admitted] if self.consumer is not None and not replayed else None
+        groups = self._broadcast(admitted, wire)
         batching = self.config.batching
         microbatches = plan_rank(
             groups,
@@ -150,7 +153,7 @@ class StepSource:
             self.cost,
             self.config.loss.std,
         )
-        return Step(groups, microbatches, admitted, wait_s, replayed)
+        return Step(groups, microbatches, admitted, wait_s, replayed, wire)
 
     def commit(self, step: Step, number: int) -> None:
         """Rank 0, once every rank has applied step `number`'s update: journal it (durable), ack its groups and
@@ -158,7 +161,7 @@ class StepSource:
         if self.journal is None:
             return
         if not step.replayed:
-            self.journal.record(number, step.admitted)
+            self.journal.record(number, step.admitted, step.wire)
             self.consumer.commit(step.admitted)
         self.journal.append_ledger(number, step.admitted, step.replayed)
 
@@ -234,12 +237,14 @@ class StepSource:
             want = groups_needed(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
             self._held += self.consumer.read(want, queue.read_block_ms)
 
-    def _broadcast(self, admitted: list[ConsumedGroup]) -> list[TrajectoryGroup]:
+    def _broadcast(self, admitted: list[ConsumedGroup], wire: list[bytes] | None) -> list[TrajectoryGroup]:
         """Every rank gets the step's groups as wire bytes (rank 0 → all)."""
         if dist.get_world_size() == 1:
             return [c.group for c in admitted]
         sender = self.consumer is not None
-        payload = msgpack.packb([encode_group(c.group) for c in admitted]) if sender else b""
+        if sender and wire is None:  # a replayed step: not journaled again, but the ranks still need its bytes
+            wire = [encode_group(c.group) for c in admitted]
+        payload = msgpack.packb(wire) if sender else b""
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         dist.broadcast(size, src=0)
         if sender:

@@ -92,6 +92,11 @@ def start_step(cluster: Cluster) -> int:
     return steps[0]
 
 
+def _journal_steps(cluster: Cluster) -> list[int]:
+    """The steps the learner re-trains from its step journal before reading the queue (rank 0 knows them)."""
+    return cluster.get([cluster.learners[0].journal_steps.remote()], 60, "learner journal")[0]
+
+
 def save_checkpoint(cluster: Cluster, step: int) -> dict[str, float]:
     """Every learner rank writes its part of the checkpoint of `step`; returns checkpoint metrics."""
     start = time.perf_counter()
@@ -114,7 +119,7 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         if first:  # the engines started from model.path's weights: bring them to the resumed ones first
             logger.info("resumed from the checkpoint of step %d", first)
             cluster.publisher.publish(first)
-        replayed = cluster.get([cluster.learners[0].journal_steps.remote()], 60, "learner journal")[0]
+        replayed = _journal_steps(cluster)
         if replayed:
             logger.info("re-training steps %d-%d from the step journal", replayed[0], replayed[-1])
         published, logged = first, first  # the engines' version; the last step logged
@@ -135,7 +140,7 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
             except LearnerDied as exc:  # the new group resumes from its checkpoint and re-trains its journal
                 cluster.restart_learners(exc)
                 step = start_step(cluster) + 1
-                replayed = cluster.get([cluster.learners[0].journal_steps.remote()], 60, "learner journal")[0]
+                replayed = _journal_steps(cluster)
                 continue
             stopped = stop.requested()
             if stopped and train.checkpoint_every and "perf/checkpoint_s" not in metrics:

@@ -42,7 +42,8 @@ class LearnerGroup:
 
         learner_cls = ray.remote(LearnerWorker)
         host, port = self.placement.rendezvous()
-        port = self.config.learner.master_port if self.config.learner.master_port and not self.restarts else port
+        if self.config.learner.master_port and not self.restarts:  # a restart takes a fresh port: the old may linger
+            port = self.config.learner.master_port
         self.ranks = [
             learner_cls.options(**self.placement.learner_options(r)).remote(
                 self.config, r, host, port, self.redis_url, self.redis_password

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from streamrl.batching.step_journal import StepJournal
+from streamrl.queue import encode_group
 from streamrl.types import ConsumedGroup
 from tests.queue.test_codec import make_group
 
@@ -21,10 +22,14 @@ def _step(first: int) -> list[ConsumedGroup]:
     return [ConsumedGroup(f"{first + i}-0", make_group([3, 5], seed=first + i)) for i in range(2)]
 
 
+def _wire(step: list[ConsumedGroup]) -> list[bytes]:
+    return [encode_group(c.group) for c in step]
+
+
 def test_steps_round_trip_and_checkpoints_prune_them(tmp_path: Path) -> None:
     journal = StepJournal(tmp_path / "journal", LIMIT)
     for number in (1, 2, 3):
-        journal.record(number, _step(10 * number))
+        journal.record(number, _step(10 * number), _wire(_step(10 * number)))
     back = journal.load(2)
     assert [c.entry_id for c in back] == ["20-0", "21-0"]
     for got, sent in zip(back, _step(20), strict=True):
@@ -34,12 +39,14 @@ def test_steps_round_trip_and_checkpoints_prune_them(tmp_path: Path) -> None:
     assert journal.pending(1) == [2, 3]
     journal.prune(2)
     assert journal.steps() == [3] and journal.pending(2) == [3]
+    journal.clear()
+    assert journal.steps() == []
     assert not list((tmp_path / "journal").glob("*.tmp"))
 
 
 def test_a_gap_or_a_damaged_step_names_the_journal(tmp_path: Path) -> None:
     journal = StepJournal(tmp_path / "journal", LIMIT)
-    journal.record(4, _step(0))
+    journal.record(4, _step(0), _wire(_step(0)))
     with pytest.raises(ValueError, match="must follow it without a gap"):
         journal.pending(2)  # steps 3 is missing
     (tmp_path / "journal" / "step_00000004.bin").write_bytes(b"\x92\x01")

@@ -93,7 +93,7 @@ def test_a_step_journaled_but_not_acked_is_acked_on_resume_and_replayed_once(
     producer.push([make_group([2, 3], seed=i) for i in range(4)])
     crashed = _source(redis_server, queue_keys, tmp_path)
     step = crashed.next_step(learner_version=4)
-    crashed.journal.record(1, step.admitted)  # ... and the learner dies before the ack
+    crashed.journal.record(1, step.admitted, step.wire)  # ... and the learner dies before the ack
     resumed = _source(redis_server, queue_keys, tmp_path)
     assert resumed.resume(0) == [1]
     replay = resumed.next_step(learner_version=4)
