@@ -77,6 +77,12 @@ class LearnerConfig(_Section):
         description="Layers of the last pipeline stage (the rest split evenly over the others), e.g. "
         "fewer to leave room for the output layer and loss; unset: an even split.",
     )
+    first_stage_layers: int | None = Field(
+        None,
+        ge=1,
+        description="Layers of the first pipeline stage (the rest split evenly over the middle ones), e.g. fewer to "
+        "leave room for the embedding, or to split a layer count that the stages do not divide; unset: an even split.",
+    )
     expert_parallel: int = Field(
         1,
         ge=1,
@@ -136,9 +142,9 @@ class LearnerConfig(_Section):
                 f"learner.expert_parallel: {self.expert_parallel} does not divide the {stage} ranks of a "
                 "pipeline stage (tensor_parallel x context_parallel x data_parallel)"
             )
-        if self.pipeline_parallel == 1 and (self.virtual_stages > 1 or self.last_stage_layers is not None):
-            field = "virtual_stages" if self.virtual_stages > 1 else "last_stage_layers"
-            raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
+        for field in ("virtual_stages", "first_stage_layers", "last_stage_layers"):
+            if self.pipeline_parallel == 1 and getattr(self, field) not in (None, 1):
+                raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
         if self.recompute != "full" and self.recompute_num_layers != 1:
             raise ValueError("learner.recompute_num_layers: only used with learner.recompute 'full'")
         return self

@@ -1,7 +1,7 @@
 """The frozen reference policy of the KL penalty (`loss.kl_coef`): the initial weights, run forward only.
 
 Contract:
-- `reference_chunks(hf_config, hf_state, last_stage_layers)` builds this rank's chunks exactly like the trained
+- `reference_chunks(hf_config, hf_state, last_stage_layers, first_stage_layers)` builds this rank's chunks exactly like the trained
   ones (same parallel layout, pipeline stage and virtual stages, `streamrl.learner.model.gpt.build_model_chunks`)
   holding the HF weights `hf_state`, with gradients off and in eval mode. Call it after the trained chunks, on
   every rank.
@@ -27,10 +27,15 @@ from streamrl.types import MicroBatch
 
 
 def reference_chunks(
-    hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor], last_stage_layers: int | None = None
+    hf_config: dict[str, Any],
+    hf_state: dict[str, torch.Tensor],
+    last_stage_layers: int | None = None,
+    first_stage_layers: int | None = None,
 ) -> list[GPTModel]:
     """This rank's frozen reference chunks holding `hf_state`; see the module docstring."""
-    chunks = build_model_chunks(hf_config, last_stage_layers=last_stage_layers)
+    chunks = build_model_chunks(
+        hf_config, last_stage_layers=last_stage_layers, first_stage_layers=first_stage_layers
+    )
     for chunk in chunks:
         load_hf_weights(chunk, hf_state, hf_config)
         chunk.requires_grad_(False)

@@ -60,6 +60,7 @@ class Trainer:
             learner.last_stage_layers,
             learner.recompute,
             learner.recompute_num_layers,
+            learner.first_stage_layers,
         )
         for chunk in self.chunks:
             load_hf_weights(chunk, hf_state, hf_config)
@@ -67,7 +68,8 @@ class Trainer:
         if config.loss.routing_replay == "rollout" and not enable_routing_replay(self.chunks):
             raise ValueError("loss.routing_replay: 'rollout' needs a mixture-of-experts model")
         self.reference_chunks = (
-            reference_chunks(hf_config, hf_state, learner.last_stage_layers) if config.loss.kl_coef > 0 else []
+            reference_chunks(hf_config, hf_state, learner.last_stage_layers, learner.first_stage_layers)
+            if config.loss.kl_coef > 0 else []
         )
         # The KL compares like with like.
         score_as_sampled(self.reference_chunks, config.rollout.temperature, config.rollout.top_p)

@@ -81,6 +81,7 @@ def check_model_layout(config: Config) -> None:
         learner.pipeline_parallel,
         learner.virtual_stages,
         learner.last_stage_layers,
+        learner.first_stage_layers,
     )
 
 

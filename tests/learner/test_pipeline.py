@@ -52,9 +52,11 @@ def _loss(logp: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, float]:
     return loss, float(loss.detach())
 
 
-def _step(model_dir: Path, last_stage_layers: int | None = None, direct: bool = False) -> dict:
+def _step(
+    model_dir: Path, last_stage_layers: int | None = None, first_stage_layers: int | None = None, direct: bool = False
+) -> dict:
     hf_config, hf_state = load_hf_checkpoint(model_dir)
-    chunks = build_model_chunks(hf_config, last_stage_layers=last_stage_layers)
+    chunks = build_model_chunks(hf_config, last_stage_layers=last_stage_layers, first_stage_layers=first_stage_layers)
     for chunk in chunks:
         load_hf_weights(chunk, hf_state, hf_config)
     training = wrap(chunks)
@@ -103,10 +105,11 @@ def _reference(model_dir: Path) -> dict:
 
 
 def _layout_rank(rank: int, port: int, world: int, layouts: list, out_dir: Path) -> None:
-    """Per layout (name, model_dir, tp, pp, virtual, ep, last_stage_layers): a fresh world; saves `{name}-{rank}.pt`."""
+    """Per layout (name, model_dir, tp, pp, virtual, ep, last_stage_layers, first_stage_layers): a fresh world;
+    saves `{name}-{rank}.pt`."""
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        for name, model_dir, tp, pp, virtual, ep, last in layouts:
+        for name, model_dir, tp, pp, virtual, ep, last, first in layouts:
             init_parallel(
                 layout(world, tp, expert_parallel=ep, pipeline_parallel=pp, virtual_stages=virtual),
                 rank,
@@ -114,7 +117,7 @@ def _layout_rank(rank: int, port: int, world: int, layouts: list, out_dir: Path)
                 port,
                 seed=0,
             )
-            torch.save(_step(model_dir, last), out_dir / f"{name}-{rank}.pt")
+            torch.save(_step(model_dir, last, first), out_dir / f"{name}-{rank}.pt")
             port = next_world_port(rank)
             destroy_parallel()
 
@@ -138,10 +141,11 @@ def _check(out_dir: Path, name: str, world: int, reference: dict, hf_state: dict
 
 def test_dense_pipeline_layouts_match_single_process(dense_dir: Path, tied_dir: Path, tmp_path: Path) -> None:
     layouts = [
-        ("pp2", dense_dir, 1, 2, 1, 1, None),
-        ("pp2-vpp2", dense_dir, 1, 2, 2, 1, None),
-        ("pp2-last1", dense_dir, 1, 2, 1, 1, 1),
-        ("pp2-tied", tied_dir, 1, 2, 1, 1, None),
+        ("pp2", dense_dir, 1, 2, 1, 1, None, None),
+        ("pp2-vpp2", dense_dir, 1, 2, 2, 1, None, None),
+        ("pp2-last1", dense_dir, 1, 2, 1, 1, 1, None),
+        ("pp2-first1", dense_dir, 1, 2, 1, 1, None, 1),
+        ("pp2-tied", tied_dir, 1, 2, 1, 1, None, None),
     ]
     if torch.cuda.is_available():  # two stages cannot interleave on NCCL (init_parallel refuses it)
         layouts = [layout for layout in layouts if layout[0] != "pp2-vpp2"]
@@ -151,7 +155,7 @@ def test_dense_pipeline_layouts_match_single_process(dense_dir: Path, tied_dir: 
 
 
 def test_moe_pipeline_with_expert_parallelism_matches_single_process(moe_dir: Path, tmp_path: Path) -> None:
-    layouts = [("pp2-ep2", moe_dir, 1, 2, 1, 2, None)]  # 4 ranks: 2 stages x 2 data-parallel ranks = EP pairs
+    layouts = [("pp2-ep2", moe_dir, 1, 2, 1, 2, None, None)]  # 4 ranks: 2 stages x 2 data-parallel ranks = EP pairs
     run_ranks(_layout_rank, 4, (4, layouts), tmp_path, 3 * TIMEOUT_S)
     _check(tmp_path, "pp2-ep2", 4, _reference(moe_dir), load_hf_checkpoint(moe_dir)[1])
 

@@ -7,7 +7,8 @@ one chunk, or one per virtual stage; MoE settings and layout in `streamrl.learne
 in `streamrl.learner.model.experts`, multi-latent attention in `streamrl.learner.model.mla`) which together match
 the HF model once `streamrl.learner.hf.convert.load_hf_weights` weights are loaded. Without pipeline parallelism
 `build_gpt_model(hf_config)` is the one whole model. Layers split evenly over the pipeline stages (and virtual
-stages), except that `last_stage_layers` may give the last stage fewer or more (Megatron's uneven split). It
+stages), except that `first_stage_layers` / `last_stage_layers` may give the first / last stage fewer or more (Megatron's
+uneven split). It
 must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer spec is used (no Transformer
 Engine / apex), with its core attention replaced on CPU and GPU alike by
 `streamrl.learner.model.attention.PackedSequenceAttention` so that packed micro-batches (`qkv_format='thd'`) run
@@ -94,16 +95,19 @@ def _check_supported(hf_config: dict[str, Any]) -> None:
         raise ValueError("use_sliding_window: sliding-window attention is not supported")
 
 
-def _pipeline_fields(hf_config: dict[str, Any], last_stage_layers: int | None) -> dict[str, Any]:
+def _pipeline_fields(
+    hf_config: dict[str, Any], last_stage_layers: int | None, first_stage_layers: int | None
+) -> dict[str, Any]:
     """Megatron's pipeline settings for this world, validated against the model's layer count."""
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    check_pipeline_split(hf_config["num_hidden_layers"], stages, virtual or 1, last_stage_layers)
+    check_pipeline_split(hf_config["num_hidden_layers"], stages, virtual or 1, last_stage_layers, first_stage_layers)
     if stages == 1:
         return {}
     return dict(
         pipeline_model_parallel_size=stages,
         virtual_pipeline_model_parallel_size=virtual,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
         # RL micro-batches are packed to different lengths: stages exchange each activation's shape first.
         variable_seq_lengths=True,
@@ -130,6 +134,7 @@ def transformer_config(
     last_stage_layers: int | None = None,
     recompute: str = "none",
     recompute_num_layers: int = 1,
+    first_stage_layers: int | None = None,
 ) -> TransformerConfig:
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
@@ -195,7 +200,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **attention,
-        **(_pipeline_fields(hf_config, last_stage_layers) | moe | _recompute_fields(recompute, recompute_num_layers)),
+        **(_pipeline_fields(hf_config, last_stage_layers, first_stage_layers) | moe | _recompute_fields(recompute, recompute_num_layers)),
     )
 
 
@@ -259,11 +264,14 @@ def build_model_chunks(
     last_stage_layers: int | None = None,
     recompute: str = "none",
     recompute_num_layers: int = 1,
+    first_stage_layers: int | None = None,
 ) -> list[GPTModel]:
     """This rank's model chunks, in virtual-stage order (one without virtual stages); see the module docstring."""
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     return [
-        build_gpt_model(hf_config, params_dtype, stage, last_stage_layers, recompute, recompute_num_layers)
+        build_gpt_model(
+            hf_config, params_dtype, stage, last_stage_layers, recompute, recompute_num_layers, first_stage_layers
+        )
         for stage in ([None] if virtual is None else range(virtual))
     ]
 
@@ -275,9 +283,12 @@ def build_gpt_model(
     last_stage_layers: int | None = None,
     recompute: str = "none",
     recompute_num_layers: int = 1,
+    first_stage_layers: int | None = None,
 ) -> GPTModel:
     """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`; see the module docstring."""
-    config = transformer_config(hf_config, params_dtype, last_stage_layers, recompute, recompute_num_layers)
+    config = transformer_config(
+        hf_config, params_dtype, last_stage_layers, recompute, recompute_num_layers, first_stage_layers
+    )
     if config.multi_latent_attention:
         allow_mla_without_transformer_engine()
     use_fused_paths()

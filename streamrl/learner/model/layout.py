@@ -1,12 +1,12 @@
 """Whether a parallel layout fits a model: checked up front, with errors that name the field.
 
 Contract: `check_layout(hf_config, tensor_parallel, expert_parallel, pipeline_parallel, virtual_stages,
-last_stage_layers)` raises `ValueError` naming the offending config field (the model's, or `learner.*`) when
+last_stage_layers, first_stage_layers)` raises `ValueError` naming the offending config field (the model's, or `learner.*`) when
 - tensor parallelism does not divide the attention heads, the key/value heads, the vocabulary, a dense MLP's
   intermediate size or the shared experts' size (routed experts are never TP-split);
 - expert parallelism does not divide the routed experts (or is set for a dense model);
-- the layers do not split over pipeline stages x virtual stages (with `last_stage_layers` on the last stage and
-  the rest even).
+- the layers do not split over pipeline stages x virtual stages (with `first_stage_layers` / `last_stage_layers` on the
+  first / last stage and the rest even).
 The driver calls it before any process starts (`streamrl.orchestrate.driver.prepare_run`, `streamrl check-config`);
 the model builder and the converter call the same checks, so a layout that passes here builds.
 """
@@ -42,22 +42,29 @@ def check_tensor_and_expert_split(hf_config: dict[str, Any], tp_size: int, ep_si
         raise ValueError(f"num_experts: {experts} is not divisible by learner.expert_parallel {ep_size}")
 
 
-def check_pipeline_split(layers: int, stages: int, virtual_stages: int, last_stage_layers: int | None) -> None:
-    """The layers must split evenly over stages x virtual stages, the last stage taking `last_stage_layers`."""
+def check_pipeline_split(
+    layers: int, stages: int, virtual_stages: int, last_stage_layers: int | None, first_stage_layers: int | None = None
+) -> None:
+    """The layers must split evenly over stages x virtual stages, the first and last stages taking
+    `first_stage_layers` and `last_stage_layers` when set (Megatron's uneven split)."""
+    edges = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+    edges = {field: count for field, count in edges.items() if count is not None}
     if stages == 1:
-        if last_stage_layers is not None:
-            raise ValueError("learner.last_stage_layers: needs pipeline parallelism")
+        if edges:
+            raise ValueError(f"learner.{next(iter(edges))}: needs pipeline parallelism")
         return
-    rest, rest_stages = layers, stages
-    if last_stage_layers is not None:
-        if not 0 < last_stage_layers < layers:
-            raise ValueError(f"learner.last_stage_layers: {last_stage_layers} must be in [1, {layers - 1}]")
-        rest, rest_stages = layers - last_stage_layers, stages - 1
-    if rest % (rest_stages * virtual_stages) or (last_stage_layers or virtual_stages) % virtual_stages:
-        last = last_stage_layers or "even"
+    if first_stage_layers is not None and virtual_stages > 1:
+        raise ValueError("learner.first_stage_layers: not supported with learner.virtual_stages > 1")
+    for field, count in edges.items():
+        if not 0 < count < layers:
+            raise ValueError(f"learner.{field}: {count} must be in [1, {layers - 1}]")
+    rest, rest_stages = layers - sum(edges.values()), stages - len(edges)
+    uneven = rest % (rest_stages * virtual_stages) if rest_stages else rest
+    if uneven or rest < rest_stages or (last_stage_layers or virtual_stages) % virtual_stages:
+        split = ", ".join(f"{field.split('_')[0]} stage: {count}" for field, count in edges.items()) or "even"
         raise ValueError(
             f"learner.pipeline_parallel: {layers} layers (num_hidden_layers) do not split evenly over "
-            f"{stages} stages x {virtual_stages} virtual stages (last stage: {last})"
+            f"{stages} stages x {virtual_stages} virtual stages ({split})"
         )
 
 
@@ -68,7 +75,10 @@ def check_layout(
     pipeline_parallel: int,
     virtual_stages: int,
     last_stage_layers: int | None,
+    first_stage_layers: int | None = None,
 ) -> None:
     """Every check of the module docstring."""
     check_tensor_and_expert_split(hf_config, tensor_parallel, expert_parallel)
-    check_pipeline_split(hf_config["num_hidden_layers"], pipeline_parallel, virtual_stages, last_stage_layers)
+    check_pipeline_split(
+        hf_config["num_hidden_layers"], pipeline_parallel, virtual_stages, last_stage_layers, first_stage_layers
+    )

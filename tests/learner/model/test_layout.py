@@ -39,6 +39,8 @@ MOE = {
         (DENSE, (1, 1, 2, 2, None), r"learner\.pipeline_parallel"),
         (DENSE, (1, 1, 2, 1, 6), r"learner\.last_stage_layers"),
         (DENSE, (1, 1, 1, 1, 2), r"learner\.last_stage_layers"),
+        (DENSE, (1, 1, 4, 1, 1, 2), r"learner\.pipeline_parallel"),  # 3 layers over 2 middle stages
+        (DENSE, (1, 1, 2, 2, None, 2), r"learner\.first_stage_layers"),
     ],
 )
 def test_layouts_the_model_cannot_take_name_the_field(hf_config: dict, layout: tuple, field: str) -> None:
@@ -49,6 +51,9 @@ def test_layouts_the_model_cannot_take_name_the_field(hf_config: dict, layout: t
 def test_layouts_that_fit_pass() -> None:
     check_layout(DENSE, 2, 1, 3, 2, None)  # 6 layers over 3 stages x 2 chunks
     check_layout(DENSE, 1, 1, 2, 1, 2)  # 4 + 2 layers
+    check_layout(DENSE, 1, 1, 2, 1, None, 1)  # 1 + 5 layers
+    check_layout(DENSE, 1, 1, 4, 1, 1, 1)  # 1 + 2 x 2 + 1 layers
+    check_layout(DENSE, 1, 1, 3, 1, 1, 2)  # 2 + 3 + 1 layers
     check_layout({**MOE, "intermediate_size": 95}, 2, 4, 1, 1, None)  # an all-MoE model's dense size is unused
 
 
