@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from streamrl.orchestrate import check_model_layout
 
-        # The layout against the model too, when the model exists already (check-config writes nothing).
-        if (config.model.path / "config.json").exists() and not _layout_fits(check_model_layout, config):
+        # The layout against the model too, when its architecture is known already (check-config writes nothing).
+        known = config.model.architecture is not None or (config.model.path / "config.json").exists()
+        if known and not _layout_fits(check_model_layout, config):
             return 2
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0

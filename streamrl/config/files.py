@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from streamrl.config.layouts import LayoutError, apply_layout
 from streamrl.config.sections import Config
 
 
@@ -56,7 +57,8 @@ def build_config(tree: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config, apply dotted overrides, validate."""
+    """Read a YAML config, merge the row of its layout table that `cluster.gpus` picks (`streamrl.config.layouts`),
+    apply dotted overrides (they win over the row), validate."""
     text = Path(path).read_text()
     try:
         tree = yaml.safe_load(text) or {}
@@ -64,6 +66,14 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
+    chosen: dict[str, Any] = {"cluster": dict(tree.get("cluster") or {})}
+    for override in overrides:
+        if override.split("=", 1)[0].strip() == "cluster.gpus":
+            apply_override(chosen, override)
+    try:
+        tree = apply_layout(tree, chosen["cluster"].get("gpus"))
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
     for override in overrides:
         apply_override(tree, override)
     return build_config(tree)

@@ -4,7 +4,7 @@ cluster's nodes. Imports no torch/vLLM/Megatron."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -42,6 +42,11 @@ class ModelConfig(_Section):
     path: Path = Field(description="HuggingFace-format model directory (config.json, safetensors, tokenizer).")
     init_if_missing: TinyModelInit | None = Field(
         None, description="If set and `path` has no config.json, write a random tiny model there first."
+    )
+    architecture: dict[str, Any] | None = Field(
+        None,
+        description="The model's HF config.json values (a preset carries them), so `streamrl plan` and layout checks "
+        "work before the checkpoint is downloaded; training reads model.path/config.json, which must agree.",
     )
     trust_remote_code: bool = Field(
         False,
@@ -142,6 +147,12 @@ class RayConfig(_Section):
 
 
 class ClusterConfig(_Section):
+    gpus: int | None = Field(
+        None,
+        ge=1,
+        description="GPUs of the whole job; picks the row of a config's `layouts` table (presets), and the learner and "
+        "engines must add up to it (engines either on GPUs of their own or colocated on the learner's).",
+    )
     nodes: int = Field(
         1, ge=1, description="Nodes the job spans; > 1 needs a Redis every node reaches and cluster.shared_dir."
     )

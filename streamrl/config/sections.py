@@ -62,7 +62,31 @@ class Config(_Section):
         if self.train.parity_every > 0 and self.train.publish_lag > 0:
             raise ValueError("train.parity_every: engines serve lagged weights under train.publish_lag; set one to 0")
         self._check_nodes()
+        self._check_gpus()
         return self
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the engines share the learner's GPUs (a layout whose learner and engines each take every GPU)."""
+        engine_gpus = self.rollout.engines * self.rollout.gpus_per_engine
+        return self.cluster.gpus is not None and self.learner.world_size == engine_gpus == self.cluster.gpus
+
+    def _check_gpus(self) -> None:
+        gpus, cluster = self.cluster.gpus, self.cluster
+        if gpus is None:
+            return
+        if cluster.gpus_per_node is not None and cluster.nodes * cluster.gpus_per_node != gpus:
+            raise ValueError(
+                f"cluster.gpus: {gpus} is not cluster.nodes {cluster.nodes} x cluster.gpus_per_node "
+                f"{cluster.gpus_per_node}"
+            )
+        learner, engine_gpus = self.learner.world_size, self.rollout.engines * self.rollout.gpus_per_engine
+        if not self.colocated and learner + engine_gpus != gpus:
+            raise ValueError(
+                f"cluster.gpus: {gpus} GPUs, but the learner takes {learner} (TP x CP x PP x DP) and the engines "
+                f"{engine_gpus} (rollout.engines x rollout.gpus_per_engine): they must add up to it, or both take "
+                "every GPU (colocated)"
+            )
 
     def _check_sync(self) -> None:
         if self.train.publish_every != 1:

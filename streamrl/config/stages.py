@@ -12,6 +12,16 @@ from streamrl.config.base import _Section
 
 class RolloutConfig(_Section):
     engines: int = Field(1, ge=1, description="Number of vLLM engine actors.")
+    gpus_per_engine: int = Field(
+        1, ge=1, description="GPUs one engine spans (its tensor-parallel x data-parallel ranks); > 1 is planned only."
+    )
+    tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size of one engine; divides gpus_per_engine.")
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="MoE models: the GPUs of one engine its experts are split over (vLLM's expert parallelism spans "
+        "the engine's TP x DP ranks); 1 splits each expert by tensor parallelism instead.",
+    )
     n: int = Field(8, ge=2, description="Responses sampled per prompt (one GRPO group).")
     prompts_per_batch: int = Field(8, ge=1, description="Prompts an engine submits to vLLM at once.")
     max_tokens: int = Field(12, ge=1, description="Maximum response tokens.")
@@ -44,6 +54,16 @@ class RolloutConfig(_Section):
         description="Run vLLM eagerly (no CUDA graphs). Unset: eager on CPU, CUDA graphs on GPU (in-place weight "
         "updates reach the captured graphs: the weights keep their storage).",
     )
+
+    @model_validator(mode="after")
+    def _engine_layout(self) -> RolloutConfig:
+        for field in ("tensor_parallel", "expert_parallel"):
+            if self.gpus_per_engine % getattr(self, field):
+                raise ValueError(
+                    f"rollout.{field}: {getattr(self, field)} does not divide rollout.gpus_per_engine "
+                    f"{self.gpus_per_engine}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _streamed_needs_inflight(self) -> RolloutConfig:

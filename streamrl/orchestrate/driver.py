@@ -68,14 +68,28 @@ def ensure_model(config: Config) -> None:
         raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
 
 
+def model_architecture(config: Config) -> dict[str, Any]:
+    """The model's HF config: model.path/config.json when the checkpoint is there (it must agree with
+    model.architecture on every key both hold), else model.architecture; FileNotFoundError when neither exists."""
+    path, declared = config.model.path / "config.json", config.model.architecture
+    if not path.exists():
+        if declared is None:
+            raise FileNotFoundError(f"model.path: no config.json in {config.model.path} (and no model.architecture)")
+        return dict(declared)
+    on_disk = json.loads(path.read_text())
+    for key, value in (declared or {}).items():
+        if key in on_disk and on_disk[key] != value:
+            raise ValueError(f"model.architecture.{key}: {value!r}, but {path} says {on_disk[key]!r}")
+    return on_disk
+
+
 def check_model_layout(config: Config) -> None:
-    """The learner's parallel layout against the model's config.json, before any process starts."""
+    """The learner's parallel layout against the model's architecture, before any process starts."""
     from streamrl.learner import check_layout
 
-    hf_config = json.loads((config.model.path / "config.json").read_text())
     learner = config.learner
     check_layout(
-        hf_config,
+        model_architecture(config),
         learner.tensor_parallel,
         learner.expert_parallel,
         learner.pipeline_parallel,
@@ -83,6 +97,20 @@ def check_model_layout(config: Config) -> None:
         learner.last_stage_layers,
         learner.first_stage_layers,
     )
+
+
+def check_trainable(config: Config) -> None:
+    """What `streamrl plan` takes but the trainer does not run yet, refused before anything starts."""
+    if config.rollout.gpus_per_engine > 1:
+        raise ValueError(
+            f"rollout.gpus_per_engine: {config.rollout.gpus_per_engine}: engines of several GPUs are not supported "
+            "by streamrl train yet (streamrl plan takes them); use 1"
+        )
+    if config.colocated:
+        raise ValueError(
+            "cluster.gpus: engines colocated on the learner's GPUs are not supported by streamrl train yet (streamrl "
+            "plan takes them); give the engines GPUs of their own"
+        )
 
 
 def start_step(cluster: Cluster) -> int:
@@ -172,6 +200,7 @@ def prepare_run(config: Config) -> None:
     config.run.dir.mkdir(parents=True, exist_ok=True)
     clear_stop_request(config.run.dir)
     save_resolved(config, config.run.dir)
+    check_trainable(config)
     ensure_model(config)
     check_model_layout(config)
 
