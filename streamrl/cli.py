@@ -1,5 +1,5 @@
-"""Command line: `streamrl train -c CONFIG [key.sub=value ...]`, `streamrl export-hf -c CONFIG --out DIR` and
-`streamrl init-model OUT`.
+"""Command line: `streamrl train -c CONFIG [key.sub=value ...]`, `streamrl plan -c PRESET cluster.gpus=N`,
+`streamrl export-hf -c CONFIG --out DIR` and `streamrl init-model OUT`.
 
 Imports only the config module up front so `--help` and config errors answer at once; a bad
 config exits with status 2 and a message naming the key.
@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, type=Path, help="output directory")
     export.add_argument("--checkpoint", type=Path, help="step directory (default: run.dir/checkpoints/latest)")
     export.add_argument("overrides", nargs="*")
+    plan = sub.add_parser("plan", help="memory per GPU and per node of a config's layout, before renting GPUs")
+    plan.add_argument("-c", "--config", required=True, type=Path, help="YAML run config or preset (see configs/)")
+    plan.add_argument("--gpu-memory", type=float, help="GB of one GPU (default: cluster.gpu_memory_gb)")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.gpus=96")
     status = sub.add_parser("status", help="print a job's progress and, while it runs, its health")
     status.add_argument("run_dir", type=Path, help="the job's run directory (run.dir)")
     stop = sub.add_parser("stop", help="drain a running job: finish its step, checkpoint, exit 0 (resumable)")
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
+    if args.command == "plan":
+        return _plan(config, args.gpu_memory)
     if args.command == "export-hf":
         from streamrl.learner import export_checkpoint
 
@@ -99,6 +105,27 @@ def main(argv: list[str] | None = None) -> int:
     result = train(config, show_progress=not args.no_progress)
     print(result.summary)
     return 0
+
+
+def _plan(config: Config, gpu_memory_gb: float | None) -> int:
+    """Print the memory plan; 1 when a GPU of the layout does not fit, 2 when the layout cannot be built."""
+    from streamrl.orchestrate import check_model_layout, model_architecture
+    from streamrl.plan import format_plan, plan_memory
+
+    if not _layout_fits(check_model_layout, config):
+        return 2
+    plan = plan_memory(config, model_architecture(config), gpu_memory_gb or config.cluster.gpu_memory_gb)
+    learner = config.learner
+    title = (
+        f"{config.run.name}: {config.cluster.gpus or learner.world_size} GPUs, {config.cluster.nodes} node(s); "
+        f"learner TP {learner.tensor_parallel} PP {learner.pipeline_parallel} EP {learner.expert_parallel} "
+        f"CP {learner.context_parallel} DP {learner.data_parallel}, recompute {learner.recompute}, optimizer offload "
+        f"{config.optimizer.offload_fraction if config.optimizer.cpu_offload else 0.0}; engines "
+        f"{config.rollout.engines} x {config.rollout.gpus_per_engine} GPUs (TP {config.rollout.tensor_parallel} "
+        f"EP {config.rollout.expert_parallel}){', colocated' if config.colocated else ''}; GB per GPU"
+    )
+    print(format_plan(plan, title))
+    return 0 if plan.largest_overflow() is None else 1
 
 
 def _layout_fits(check: Callable[[Config], None], config: Config) -> bool:

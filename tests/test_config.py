@@ -83,5 +83,7 @@ def test_cli_exits_nonzero_naming_key(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_shipped_configs_validate() -> None:
+    """The configs without a layout table (presets: tests/config/test_layouts.py)."""
     for path in Path(__file__).parents[1].joinpath("configs").glob("*.yaml"):
-        load_config(path)
+        if "layouts" not in yaml.safe_load(path.read_text()):
+            load_config(path)

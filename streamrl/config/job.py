@@ -153,6 +153,9 @@ class ClusterConfig(_Section):
         description="GPUs of the whole job; picks the row of a config's `layouts` table (presets), and the learner and "
         "engines must add up to it (engines either on GPUs of their own or colocated on the learner's).",
     )
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="Memory of one GPU in GB (10^9 bytes), for `streamrl plan` (H100 80, H20 96, H200 141)."
+    )
     nodes: int = Field(
         1, ge=1, description="Nodes the job spans; > 1 needs a Redis every node reaches and cluster.shared_dir."
     )

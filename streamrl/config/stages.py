@@ -15,7 +15,9 @@ class RolloutConfig(_Section):
     gpus_per_engine: int = Field(
         1, ge=1, description="GPUs one engine spans (its tensor-parallel x data-parallel ranks); > 1 is planned only."
     )
-    tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size of one engine; divides gpus_per_engine.")
+    tensor_parallel: int = Field(
+        1, ge=1, description="vLLM tensor-parallel size of one engine; divides gpus_per_engine."
+    )
     expert_parallel: int = Field(
         1,
         ge=1,

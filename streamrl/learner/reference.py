@@ -1,10 +1,10 @@
 """The frozen reference policy of the KL penalty (`loss.kl_coef`): the initial weights, run forward only.
 
 Contract:
-- `reference_chunks(hf_config, hf_state, last_stage_layers, first_stage_layers)` builds this rank's chunks exactly like the trained
-  ones (same parallel layout, pipeline stage and virtual stages, `streamrl.learner.model.gpt.build_model_chunks`)
-  holding the HF weights `hf_state`, with gradients off and in eval mode. Call it after the trained chunks, on
-  every rank.
+- `reference_chunks(hf_config, hf_state, last_stage_layers, first_stage_layers)` builds this rank's chunks exactly
+  like the trained ones (same parallel layout, pipeline stage and virtual stages,
+  `streamrl.learner.model.gpt.build_model_chunks`) holding the HF weights `hf_state`, with gradients off and in
+  eval mode. Call it after the trained chunks, on every rank.
 - `reference_logprobs(chunks, microbatches)` runs a step's micro-batches (or this CP rank's shards of them) through
   them with Megatron's schedule, forward only and without autograd (`streamrl.learner.pipeline`), and returns on the
   last stage each micro-batch's float32 `[1, T]` log-probs keyed by `id(mb)`: the caller passes the same objects
@@ -33,9 +33,7 @@ def reference_chunks(
     first_stage_layers: int | None = None,
 ) -> list[GPTModel]:
     """This rank's frozen reference chunks holding `hf_state`; see the module docstring."""
-    chunks = build_model_chunks(
-        hf_config, last_stage_layers=last_stage_layers, first_stage_layers=first_stage_layers
-    )
+    chunks = build_model_chunks(hf_config, last_stage_layers=last_stage_layers, first_stage_layers=first_stage_layers)
     for chunk in chunks:
         load_hf_weights(chunk, hf_state, hf_config)
         chunk.requires_grad_(False)

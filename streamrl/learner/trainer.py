@@ -69,7 +69,8 @@ class Trainer:
             raise ValueError("loss.routing_replay: 'rollout' needs a mixture-of-experts model")
         self.reference_chunks = (
             reference_chunks(hf_config, hf_state, learner.last_stage_layers, learner.first_stage_layers)
-            if config.loss.kl_coef > 0 else []
+            if config.loss.kl_coef > 0
+            else []
         )
         # The KL compares like with like.
         score_as_sampled(self.reference_chunks, config.rollout.temperature, config.rollout.top_p)

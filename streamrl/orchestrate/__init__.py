@@ -8,6 +8,7 @@ __all__, __getattr__ = exports(
         "train": "driver",
         "prepare_run": "driver",
         "check_model_layout": "driver",
+        "model_architecture": "driver",
         "RunResult": "driver",
         "Cluster": "cluster",
         "request_stop": "stop",

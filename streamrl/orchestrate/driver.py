@@ -196,11 +196,11 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
 
 def prepare_run(config: Config) -> None:
     """Create the run directory, save the resolved config, make sure the model exists and fits the layout."""
+    check_trainable(config)
     os.environ.setdefault("WANDB_MODE", config.wandb.mode)
     config.run.dir.mkdir(parents=True, exist_ok=True)
     clear_stop_request(config.run.dir)
     save_resolved(config, config.run.dir)
-    check_trainable(config)
     ensure_model(config)
     check_model_layout(config)
 

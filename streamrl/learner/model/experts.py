@@ -54,7 +54,9 @@ class StackedLinear(torch.nn.Module):
         init_method: Callable[[Tensor], None],
     ) -> None:
         super().__init__()
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        # On the host: torch's default device, which is the host unless a `torch.device("meta")` context asks for
+        # shapes only (`streamrl.plan` builds the model that way).
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(
             torch.empty(experts, out_features, in_features, dtype=config.params_dtype, device=device)
         )

@@ -7,10 +7,9 @@ one chunk, or one per virtual stage; MoE settings and layout in `streamrl.learne
 in `streamrl.learner.model.experts`, multi-latent attention in `streamrl.learner.model.mla`) which together match
 the HF model once `streamrl.learner.hf.convert.load_hf_weights` weights are loaded. Without pipeline parallelism
 `build_gpt_model(hf_config)` is the one whole model. Layers split evenly over the pipeline stages (and virtual
-stages), except that `first_stage_layers` / `last_stage_layers` may give the first / last stage fewer or more (Megatron's
-uneven split). It
-must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer spec is used (no Transformer
-Engine / apex), with its core attention replaced on CPU and GPU alike by
+stages), except that `first_stage_layers` / `last_stage_layers` may give the first / last stage fewer or more
+(Megatron's uneven split). It must be called after `streamrl.learner.parallel.init_parallel`. Only the local layer
+spec is used (no Transformer Engine / apex), with its core attention replaced on CPU and GPU alike by
 `streamrl.learner.model.attention.PackedSequenceAttention` so that packed micro-batches (`qkv_format='thd'`) run
 without padding, and its memory-bound parts replaced by fused ones (`streamrl.learner.model.fused`: RMSNorm, the
 whole-vocabulary per-token cross-entropy; `streamrl.learner.model.fused_paths`: RoPE, MoE token permutation).
@@ -200,7 +199,9 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **attention,
-        **(_pipeline_fields(hf_config, last_stage_layers, first_stage_layers) | moe | _recompute_fields(recompute, recompute_num_layers)),
+        **_pipeline_fields(hf_config, last_stage_layers, first_stage_layers),
+        **moe,
+        **_recompute_fields(recompute, recompute_num_layers),
     )
 
 

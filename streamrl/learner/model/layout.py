@@ -1,7 +1,8 @@
 """Whether a parallel layout fits a model: checked up front, with errors that name the field.
 
 Contract: `check_layout(hf_config, tensor_parallel, expert_parallel, pipeline_parallel, virtual_stages,
-last_stage_layers, first_stage_layers)` raises `ValueError` naming the offending config field (the model's, or `learner.*`) when
+last_stage_layers, first_stage_layers)` raises `ValueError` naming the offending config field (the model's, or
+`learner.*`) when
 - tensor parallelism does not divide the attention heads, the key/value heads, the vocabulary, a dense MLP's
   intermediate size or the shared experts' size (routed experts are never TP-split);
 - expert parallelism does not divide the routed experts (or is set for a dense model);

@@ -1,0 +1,111 @@
+"""Presets: every row of every layout table loads and divides its model; `cluster.gpus` picks a row; errors list
+the rows."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streamrl.cli import main
+from streamrl.config import ConfigError, load_config
+from streamrl.orchestrate import check_model_layout, model_architecture
+from streamrl.orchestrate.driver import check_trainable
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+PRESETS = sorted(path for path in CONFIGS.glob("*.yaml") if "layouts" in yaml.safe_load(path.read_text()))
+ROWS = [(path, gpus) for path in PRESETS for gpus in yaml.safe_load(path.read_text())["layouts"]]
+
+
+def test_the_presets_of_the_seed_models_are_shipped() -> None:
+    names = {path.stem for path in PRESETS}
+    assert {"deepseek-v3-671b", "qwen3-235b-a22b", "qwen3-30b-a3b", "moonlight-16b-a3b"} <= names
+    rows = {path.stem: {gpus for p, gpus in ROWS if p == path} for path in PRESETS}
+    assert {96, 128, 256, 512} <= rows["deepseek-v3-671b"] and {32, 64, 128, 256} <= rows["qwen3-235b-a22b"]
+    assert {8, 16, 32} <= rows["qwen3-30b-a3b"]
+
+
+@pytest.mark.parametrize(("path", "gpus"), ROWS, ids=[f"{p.stem}-{g}" for p, g in ROWS])
+def test_every_row_divides_its_model(path: Path, gpus: int) -> None:
+    config = load_config(path, [f"cluster.gpus={gpus}"])
+    learner, cluster, rollout = config.learner, config.cluster, config.rollout
+    hf = model_architecture(config)  # the preset's own architecture values: no checkpoint here
+    check_model_layout(config)  # layers over stages (first/last counts), heads and vocabulary over TP, experts over EP
+    assert cluster.gpus == gpus and cluster.nodes * cluster.gpus_per_node == gpus
+    assert learner.world_size % cluster.nodes == 0 and learner.tensor_parallel <= cluster.gpus_per_node
+    # A tensor-parallel group and an engine's tensor-parallel group stay inside a node; engines split the GPUs evenly.
+    assert cluster.gpus_per_node % learner.tensor_parallel == 0
+    assert rollout.tensor_parallel <= cluster.gpus_per_node and gpus % rollout.gpus_per_engine == 0
+    assert hf["num_attention_heads"] % rollout.tensor_parallel == 0
+    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    assert experts % learner.expert_parallel == 0 and experts % rollout.expert_parallel == 0
+    assert config.learner.params_dtype == "bfloat16" and config.run.device == "cuda"
+
+
+def _preset(tmp_path: Path) -> Path:
+    path = tmp_path / "preset.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": "m"},
+                "learner": {"recompute": "full"},
+                "layouts": {
+                    2: {"learner": {"data_parallel": 2}, "rollout": {"engines": 2}},
+                    4: {"nodes": 2, "learner": {"data_parallel": 2}, "rollout": {"engines": 2}},
+                },
+            }
+        )
+    )
+    return path
+
+
+def test_cluster_gpus_picks_a_row_and_overrides_win(tmp_path: Path) -> None:
+    path = _preset(tmp_path)
+    config = load_config(path, ["cluster.gpus=4", "cluster.shared_dir=.", "learner.recompute=selective"])
+    assert (config.learner.data_parallel, config.rollout.engines) == (2, 2)
+    assert (config.cluster.nodes, config.cluster.gpus_per_node) == (2, 2)
+    assert config.learner.recompute == "selective"  # the command line over the file
+    assert not config.colocated
+    with pytest.raises(ConfigError, match=r"cluster\.gpus: this config has layouts for 2, 4 GPUs"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"cluster\.gpus: no layout for 3 GPUs; the rows are:\n2 GPUs \(1 node\)"):
+        load_config(path, ["cluster.gpus=3"])
+
+
+def test_rows_that_do_not_add_up_or_are_malformed_name_the_key(tmp_path: Path) -> None:
+    path = _preset(tmp_path)
+    with pytest.raises(ConfigError, match=r"cluster\.gpus: 2 GPUs, but the learner takes 2 .* the engines 6"):
+        load_config(path, ["cluster.gpus=2", "rollout.engines=6"])
+    bad = {"model": {"path": "m"}, "layouts": {8: {"nodes": 3}}}
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError, match=r"layouts\.8\.nodes: 3 must be a positive integer that divides 8"):
+        load_config(path, ["cluster.gpus=8"])
+    path.write_text(yaml.safe_dump({**bad, "layouts": {8: {"learners": {}}}}))
+    with pytest.raises(ConfigError, match=r"layouts\.8\.learners: unknown key"):
+        load_config(path, ["cluster.gpus=8"])
+    engine = ["cluster.gpus=2", "rollout.gpus_per_engine=4", "rollout.tensor_parallel=3"]
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel: 3 does not divide rollout\.gpus_per_engine 4"):
+        load_config(_preset(tmp_path), engine)
+
+
+def test_the_architecture_must_agree_with_the_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"num_hidden_layers": 4}')
+    config = load_config(_preset(tmp_path), ["cluster.gpus=2", f"model.path={tmp_path / 'm'}"])
+    assert model_architecture(config) == {"num_hidden_layers": 4}
+    config = load_config(
+        _preset(tmp_path), ["cluster.gpus=2", f"model.path={tmp_path / 'm'}", "model.architecture.num_hidden_layers=6"]
+    )
+    with pytest.raises(ValueError, match=r"model\.architecture\.num_hidden_layers: 6, but .* says 4"):
+        model_architecture(config)
+
+
+def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Multi-GPU engines and colocated engines are planned, not trained yet: refused before anything starts."""
+    config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", ["cluster.gpus=8"])
+    with pytest.raises(ValueError, match=r"rollout\.gpus_per_engine: 2: engines of several GPUs"):
+        check_trainable(config)
+    config = load_config(CONFIGS / "moonlight-16b-a3b.yaml", ["cluster.gpus=8"])
+    with pytest.raises(ValueError, match=r"cluster\.gpus: engines colocated on the learner's GPUs"):
+        check_trainable(config)
+    assert main(["train", "-c", str(CONFIGS / "moonlight-16b-a3b.yaml"), "cluster.gpus=8"]) == 2
+    assert "engines colocated" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""`streamrl plan`: every shipped row fits its GPUs, terms follow the stated assumptions, DeepSeek-V3 at 96 GPUs lands
+near the measured 66 GB per GPU and 1,500 GB per node, and a layout that does not fit exits non-zero naming its
+largest term."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from streamrl.cli import main
+from streamrl.config import load_config
+from streamrl.plan import plan_memory, stage_parameters
+from streamrl.plan.memory import GB, RUNTIME_BYTES
+from tests.config.test_layouts import ROWS
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def test_every_shipped_row_fits_and_plans_in_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    for path, gpus in ROWS:
+        assert main(["plan", "-c", str(path), f"cluster.gpus={gpus}"]) == 0, (path.name, gpus)
+        out = capsys.readouterr().out
+        assert "fits" in out.splitlines()[-1] and "peak GPU" in out, out
+    assert time.perf_counter() - start < 60 * len(ROWS) / 14  # about a second a row on 2 cores
+
+
+def test_deepseek_v3_at_96_gpus_is_near_the_measured_figures() -> None:
+    config = load_config(CONFIGS / "deepseek-v3-671b.yaml", ["cluster.gpus=96"])
+    plan = plan_memory(config, config.model.architecture, 96)
+    assert abs(plan.peak() / 66e9 - 1) < 0.15, plan.peak() / GB
+    assert abs(plan.host_per_node / 1500e9 - 1) < 0.15, plan.host_per_node / GB
+
+
+def test_terms_follow_the_stated_assumptions() -> None:
+    """Qwen3-30B-A3B at EP 4 x DP 4, bf16: 2 bytes of parameters, 4 of float32 gradients, 12 of optimizer state
+    sharded over DP (dense) or the one expert-data-parallel rank (experts), a fraction of it on the host."""
+    config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", ["cluster.gpus=4", "optimizer.offload_fraction=0.25"])
+    hf = config.model.architecture
+    (stage,) = stage_parameters(hf, config.learner)
+    (learner,) = plan_memory(config, hf, 80).learner
+    params = stage.dense + stage.experts
+    owned = stage.dense / 4 + stage.experts
+    assert learner.terms["parameters"] == 2 * params and learner.terms["gradients"] == 4 * params
+    assert learner.terms["optimizer"] == pytest.approx(12 * owned * 0.75)
+    assert learner.host == pytest.approx(16 * owned * 0.25 + hf["vocab_size"] * hf["hidden_size"] * 2)
+    assert learner.terms["runtime"] == RUNTIME_BYTES
+    assert learner.terms["logits"] == 4 * 16384 * hf["vocab_size"]  # TP 1: bf16 logits and their gradient
+
+
+def test_a_layout_that_does_not_fit_names_its_largest_term(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "-c", str(CONFIGS / "qwen3-30b-a3b.yaml"), "cluster.gpus=4", "optimizer.cpu_offload=false"]
+    assert main(args) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("does not fit: learner stage 0 needs") and "largest term is optimizer" in last
+    assert main([*args[:4], "--gpu-memory", "200"]) == 0  # the same layout on 200 GB GPUs
