@@ -19,7 +19,8 @@ Contract: after `streamrl.learner.parallel.init_parallel`, with the chunks built
   once). bfloat16 params get float32 master weights and Adam state (Megatron's mixed-precision optimizer);
   `distributed` shards those over the data x context-parallel ranks (ZeRO-1) and all-gathers the updated
   params after each step. `cpu_offload` moves `offload_fraction` of the state and its update to the host
-  (Megatron's `HybridDeviceOptimizer`); without CUDA it is a no-op, as every tensor already lives in host memory.
+  (Megatron's `HybridDeviceOptimizer`, under its precision-aware optimizer: no float32 master shard stays on the
+  GPU for the offloaded share); without CUDA it is a no-op, as every tensor already lives in host memory.
 Per step: `training.zero_grad()`, `run_microbatches(training.models, ...)`, then `training.step()` (the grad norm).
 """
 
@@ -72,7 +73,7 @@ class Training:
 def _megatron_optimizer_config(settings: config.OptimizerConfig, bf16: bool) -> OptimizerConfig:
     # The host is the only device without CUDA: nothing to offload to it.
     offload = settings.cpu_offload and torch.cuda.is_available()
-    return OptimizerConfig(
+    megatron = OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
         min_lr=settings.lr,  # no schedule: a constant learning rate
@@ -87,6 +88,14 @@ def _megatron_optimizer_config(settings: config.OptimizerConfig, bf16: bool) -> 
         optimizer_cpu_offload=offload,
         optimizer_offload_fraction=settings.offload_fraction if offload else 0.0,
     )
+    if offload:
+        # Megatron-LM pairs CPU offload with its precision-aware optimizer: the distributed optimizer then keeps no
+        # float32 master shard on the GPU (4 bytes a parameter), and HybridDeviceOptimizer holds the float32 copies,
+        # on the host for the offloaded share. The config's validation probes Transformer Engine's version, which
+        # fails without TE although this path uses none of it: the flags are set after it.
+        megatron.use_precision_aware_optimizer = megatron.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+        megatron.store_param_remainders = False
+    return megatron
 
 
 def build_training(chunks: list[GPTModel], settings: config.OptimizerConfig) -> Training:

@@ -1,6 +1,7 @@
 """The trainer: one learner rank's model chunks, their optimizer, and one optimizer step over its micro-batches.
 
-Contract: built after `init_parallel`, from the HF config and state of `model.path`. `train(microbatches)` runs
+Contract: built after `init_parallel`, from the HF config and state of `model.path` (or, without a state, with the
+builder's random weights in the model's shape). `train(microbatches)` runs
 this rank's micro-batches (its data-parallel share; each context-parallel rank runs its zigzag shard of every
 sequence) through Megatron's schedule (`streamrl.learner.pipeline`): forward recomputes log-probs, the last stage
 computes the loss (`streamrl.loss`), backward; Megatron's DDP completes the gradients (summed over data-parallel
@@ -14,6 +15,7 @@ vocabulary-parallel logits. MoE models report router load balance (`streamrl.lea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -51,7 +53,10 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, config: Config, hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor]):
+    def __init__(self, config: Config, hf_config: dict[str, Any], hf_state: Mapping[str, torch.Tensor] | None):
+        """`hf_state` None keeps the builder's random initialisation (benchmarks of a model's shape)."""
+        if hf_state is None and config.loss.kl_coef > 0:
+            raise ValueError("loss.kl_coef: the KL reference needs the model's weights (model.path)")
         self.config, self.hf_config = config, hf_config
         learner = config.learner
         self.chunks = build_model_chunks(
@@ -62,7 +67,7 @@ class Trainer:
             learner.recompute_num_layers,
             learner.first_stage_layers,
         )
-        for chunk in self.chunks:
+        for chunk in self.chunks if hf_state is not None else []:
             load_hf_weights(chunk, hf_state, hf_config)
         score_as_sampled(self.chunks, config.rollout.temperature, config.rollout.top_p)
         if config.loss.routing_replay == "rollout" and not enable_routing_replay(self.chunks):

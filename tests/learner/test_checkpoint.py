@@ -39,7 +39,8 @@ def _batch(which: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def _loss(model: torch.nn.Module, which: int, vocab: int) -> torch.Tensor:
-    return -token_logprobs(model, *_batch(which, vocab)).mean()
+    device = next(model.parameters()).device
+    return -token_logprobs(model, *(t.to(device) for t in _batch(which, vocab))).mean()
 
 
 def _step(training: Training, which: int, vocab: int) -> None:
@@ -50,16 +51,18 @@ def _step(training: Training, which: int, vocab: int) -> None:
     training.step()
 
 
-def _learner(model_dir: Path) -> tuple[torch.nn.Module, Training, int]:
+def _learner(
+    model_dir: Path, settings: OptimizerConfig | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, Training, int]:
     hf_config, hf_state = load_hf_checkpoint(model_dir)
-    model = build_gpt_model(hf_config)
+    model = build_gpt_model(hf_config, params_dtype=dtype)
     load_hf_weights(model, hf_state, hf_config)
-    return model, build_training([model], OptimizerConfig()), hf_config["vocab_size"]
+    return model, build_training([model], settings or OptimizerConfig()), hf_config["vocab_size"]
 
 
-def _train_save_continue(model_dir: Path, root: Path) -> float:
+def _train_save_continue(model_dir: Path, root: Path, *learner: object) -> float:
     """Two steps, checkpoint as step 2, one more step; the EVAL loss after it."""
-    model, training, vocab = _learner(model_dir)
+    model, training, vocab = _learner(model_dir, *learner)
     for _ in range(2):
         _step(training, TRAIN, vocab)
     save_checkpoint(root, 2, 2, model, training.optimizer, config_hash="test")
@@ -68,8 +71,8 @@ def _train_save_continue(model_dir: Path, root: Path) -> float:
         return float(_loss(model, EVAL, vocab))
 
 
-def _load_and_continue(model_dir: Path, path: Path) -> float:
-    model, training, vocab = _learner(model_dir)
+def _load_and_continue(model_dir: Path, path: Path, *learner: object) -> float:
+    model, training, vocab = _learner(model_dir, *learner)
     meta = load_checkpoint(path, model, training.optimizer)
     assert (meta.step, meta.version) == (2, 2)
     adam_states = [state for opt in training.optimizer.chained_optimizers for state in opt.optimizer.state.values()]
@@ -163,3 +166,16 @@ def test_corrupt_latest_pointer_is_refused(tp1_checkpoint: tuple, tmp_path: Path
     (root / "latest").write_text("../elsewhere\n")
     with pytest.raises(CheckpointError, match=r"latest: expected a step directory name"):
         latest_checkpoint(root)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offloaded_optimizer_checkpoint_continues_exactly_on_gpu(
+    tp1_world: None, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """bf16 model, half the optimizer state on the host (precision-aware HybridDeviceOptimizer): a reload continues
+    with the same master weights and moments as the optimizer that never stopped."""
+    learner = (OptimizerConfig(cpu_offload=True, offload_fraction=0.5), torch.bfloat16)
+    root = tmp_path / "checkpoints"
+    expected = _train_save_continue(tiny_model_dir, root, *learner)
+    assert _load_and_continue(tiny_model_dir, step_dir(root, 2), *learner) == pytest.approx(expected, abs=1e-6, rel=0)

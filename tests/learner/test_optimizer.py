@@ -118,6 +118,11 @@ def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(tp1_world: Non
     hybrid = inner.optimizer
     assert isinstance(hybrid, HybridDeviceOptimizer) and hybrid.offload_fraction == 0.5
     assert hybrid.cpu_optimizers and hybrid.gpu_optimizer is not None  # the state is split between host and GPU
+    # No float32 master shard on the GPU beside the hybrid optimizer's own copies (Megatron's precision-aware path):
+    # the host holds float32 masters for its share, and the model's bf16 shards are what it updates.
+    assert all(p is None for group in inner.shard_fp32_from_float16_groups for p in group)
+    host = [p for cpu in hybrid.cpu_optimizers for group in cpu.param_groups for p in group["params"]]
+    assert host and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in host)
     assert norm == pytest.approx(expected_norm, rel=1e-5)
     before = _model(tiny_model_dir, params_dtype=torch.bfloat16).state_dict()
     for name, param in params.items():

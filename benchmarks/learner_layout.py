@@ -1,0 +1,168 @@
+"""A preset's learner at one of its layouts on this machine's GPUs, next to what `streamrl plan` predicts for it.
+
+Run on a GPU machine with as many GPUs as the layout's learner (megatron-core importable):
+    PYTHONPATH=. python benchmarks/learner_layout.py -c configs/qwen3-30b-a3b.yaml cluster.gpus=4
+
+It starts one process per learner rank, builds the production trainer (`streamrl.learner.trainer.Trainer`: the
+model in the preset's real shape with random weights, Megatron's DDP and distributed optimizer with the preset's
+offload, recomputation and layout), plans RL-like trajectory groups (`benchmarks/learner_mfu.py`'s lognormal
+response lengths) with the production planner into packed micro-batches per data-parallel rank, and times
+`--steps` steps after one warm-up step. It reports step time, MFU (the trainer's own FLOP count over
+`learner.peak_tflops`, 989 for H100/H200 bf16), peak GPU memory (allocated and reserved, the fullest rank), peak
+host memory (the node's used memory, sampled through the steps, less what it was before start-up) and the plan's
+prediction for each, then writes them as JSON. The planner's layout is the learner's alone: engines are not started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+GB = 1e9
+
+
+def _host_used() -> float:
+    """Bytes of the node's memory in use (MemTotal - MemAvailable)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    kib = lambda key: int(fields[key].split()[0])  # noqa: E731
+    return (kib("MemTotal") - kib("MemAvailable")) * 1024.0
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from benchmarks.learner_mfu import make_groups
+    from streamrl.batching.microbatch import plan_step
+    from streamrl.config import load_config
+    from streamrl.learner.parallel import destroy_parallel, init_parallel
+    from streamrl.learner.trainer import Trainer
+
+    config = load_config(args.config, args.overrides)
+    hf = config.model.architecture
+    os.environ["LOCAL_RANK"] = str(rank)
+    init_parallel(config.learner, rank, "127.0.0.1", port, seed=0)
+    trainer = Trainer(config, hf, None)
+    groups = make_groups(args, hf["vocab_size"])
+    budget = config.batching.max_tokens_per_microbatch
+    per_rank = plan_step(groups, ps.get_data_parallel_world_size(), budget, "token_mean")
+    microbatches = per_rank[ps.get_data_parallel_rank()]
+    cuda = torch.cuda.is_available()  # a CPU run (gloo) only checks the script
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    results = []
+    for step in range(args.steps + 1):  # the first is the warm-up
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        result = trainer.train(microbatches, step, step)
+        if cuda:
+            torch.cuda.synchronize(device)
+        results.append((time.perf_counter() - start, result.metrics))
+    reserved = torch.tensor([torch.cuda.max_memory_reserved(device) / GB if cuda else 0.0], device=device)
+    dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        timed = results[1:]
+        seconds = float(np.median([s for s, _ in timed]))
+        tokens = sum(len(g.prompt_ids) * len(g.lengths) + int(sum(g.lengths)) for g in groups)
+        (out / "rank0.json").write_text(
+            json.dumps(
+                {
+                    "step_seconds": seconds,
+                    "steps": [s for s, _ in timed],
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / seconds,
+                    "microbatches_rank0": len(microbatches),
+                    "mfu": float(np.median([m["perf/mfu"] for _, m in timed])),
+                    "phases": {k: v for k, v in timed[-1][1].items() if k.startswith("perf/")},
+                    "peak_allocated_gb": max(m["perf/peak_memory_gib"] for _, m in results) * 2**30 / GB,
+                    "peak_reserved_gb": float(reserved),
+                }
+            )
+        )
+    destroy_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", required=True, type=Path)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.gpus=4")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8, help="responses per group")
+    parser.add_argument("--mean-len", type=int, default=1500)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/learner_layout_<run.name>.json")
+    args = parser.parse_args()
+
+    from streamrl.config import load_config
+    from streamrl.net import free_port
+    from streamrl.plan import plan_memory
+
+    config = load_config(args.config, args.overrides)
+    cuda = torch.cuda.is_available()
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if cuda else config.cluster.gpu_memory_gb
+    plan = plan_memory(config, config.model.architecture, gpu_gb)
+    stage = max(plan.learner, key=lambda s: s.total)  # the fullest learner GPU
+    world = config.learner.world_size
+    if cuda and torch.cuda.device_count() < world:
+        raise SystemExit(f"the layout's learner needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    out = args.out or Path(f"benchmarks/results/learner_layout_{config.run.name}_{config.cluster.gpus}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    before, peak_host = _host_used(), [0.0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.5):
+            peak_host[0] = max(peak_host[0], _host_used() - before)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    mp.spawn(_rank, args=(args, free_port(), out.parent), nprocs=world, join=True)
+    stop.set()
+    measured = json.loads((out.parent / "rank0.json").read_text())
+    # The learner's own host memory on this node: its ranks' offloaded optimizer state and loading buffers.
+    host_planned = max(s.host for s in plan.learner) * min(world, config.cluster.gpus_per_node or world)
+    result = {
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpus": world,
+        "config": str(args.config),
+        "overrides": args.overrides,
+        "layout": config.learner.model_dump(),
+        "optimizer": config.optimizer.model_dump(),
+        "tokens_per_microbatch": config.batching.max_tokens_per_microbatch,
+        "wall_s": time.perf_counter() - start,
+        **measured,
+        "peak_host_gb": peak_host[0] / GB,
+        "plan": {
+            "gpu_gb": stage.total / GB,
+            "terms_gb": {k: v / GB for k, v in stage.terms.items()},
+            "host_gb": host_planned / GB,
+        },
+    }
+    out.write_text(json.dumps(result, indent=2))
+    print(
+        f"\n{config.run.name} learner on {world}x {result['gpu']}: TP {config.learner.tensor_parallel} "
+        f"PP {config.learner.pipeline_parallel} EP {config.learner.expert_parallel} DP {config.learner.data_parallel}, "
+        f"offload {config.optimizer.offload_fraction if config.optimizer.cpu_offload else 0.0}, "
+        f"{result['tokens']} tokens a step"
+    )
+    print(f"{'':<28}{'measured':>10}{'plan':>10}")
+    print(f"{'step s':<28}{result['step_seconds']:>10.2f}")
+    print(f"{'MFU (989 TFLOP/s)':<28}{result['mfu']:>10.3f}")
+    print(f"{'peak GPU GB (reserved)':<28}{result['peak_reserved_gb']:>10.1f}{result['plan']['gpu_gb']:>10.1f}")
+    print(f"{'peak GPU GB (allocated)':<28}{result['peak_allocated_gb']:>10.1f}")
+    print(f"{'peak host GB (node)':<28}{result['peak_host_gb']:>10.1f}{result['plan']['host_gb']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
