@@ -10,5 +10,10 @@ __all__, __getattr__ = exports(
         "check_layout": "model.layout",
         "export_checkpoint": "hf.export",
         "completed_step": "checkpoint_meta",
+        "StageParameters": "stage_shapes",
+        "stage_parameters": "stage_shapes",
+        "moe_layers": "model.moe",
+        "num_experts": "model.moe",
+        "shared_expert_size": "model.moe",
     },
 )

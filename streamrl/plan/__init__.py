@@ -1,6 +1,5 @@
-"""Planning a job before it runs: the tensors of each learner stage and the memory of each GPU and node."""
+"""Planning a job before it runs: the memory of each GPU and node of a layout (`streamrl plan`)."""
 
 from streamrl.plan.memory import MemoryPlan, format_plan, plan_memory
-from streamrl.plan.stages import StageParameters, stage_parameters
 
-__all__ = ["MemoryPlan", "StageParameters", "format_plan", "plan_memory", "stage_parameters"]
+__all__ = ["MemoryPlan", "format_plan", "plan_memory"]

@@ -1,9 +1,10 @@
 """Memory per GPU and per node of a job's layout, before any GPU is rented: what `streamrl plan` prints.
 
 Contract: `plan_memory(config, hf_config, gpu_memory_gb)` returns a `MemoryPlan`: one `LearnerStage` per distinct
-pipeline stage (one rank's parameters from `streamrl.plan.stages`, the code that builds the learner), the engine's
-share of one GPU, the peak of each GPU kind and the host memory of the fullest node. `MemoryPlan.largest_overflow()`
-names the largest term of a GPU that does not fit `gpu_memory_gb`, or is None. GB are 10^9 bytes.
+pipeline stage (one rank's parameters from `streamrl.learner.stage_shapes`: the code that builds the learner), the
+engine's share of one GPU, the peak of each GPU kind and the host memory of the fullest node.
+`MemoryPlan.largest_overflow()` names the largest term of a GPU that does not fit `gpu_memory_gb`, or is None. GB are
+10^9 bytes.
 
 What each term assumes (Megatron's mixed-precision distributed optimizer, as `streamrl.learner.optimizer` builds it):
 - parameters in `learner.params_dtype`; gradients in float32 (`optimizer.grad_reduce_in_fp32` or float32 params),
@@ -40,8 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.config import Config
-from streamrl.learner.model.moe import moe_layers, num_experts, shared_expert_size
-from streamrl.plan.stages import StageParameters, stage_parameters
+from streamrl.learner import StageParameters, moe_layers, num_experts, shared_expert_size, stage_parameters
 
 GB = 1e9
 RUNTIME_BYTES = 3e9

@@ -9,7 +9,8 @@ import pytest
 
 from streamrl.cli import main
 from streamrl.config import load_config
-from streamrl.plan import plan_memory, stage_parameters
+from streamrl.learner import stage_parameters
+from streamrl.plan import plan_memory
 from streamrl.plan.memory import GB, RUNTIME_BYTES
 from tests.config.test_layouts import ROWS
 

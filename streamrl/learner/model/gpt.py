@@ -199,9 +199,12 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **attention,
-        **_pipeline_fields(hf_config, last_stage_layers, first_stage_layers),
-        **moe,
-        **_recompute_fields(recompute, recompute_num_layers),
+        # One mapping, later keys winning: the MoE fields repeat the pipeline's token dispatcher.
+        **(
+            _pipeline_fields(hf_config, last_stage_layers, first_stage_layers)
+            | moe
+            | _recompute_fields(recompute, recompute_num_layers)
+        ),
     )
 
 

@@ -8,8 +8,8 @@ import torch
 from streamrl.config import LearnerConfig, load_config
 from streamrl.learner.model.gpt import build_gpt_model, is_expert_parameter
 from streamrl.learner.parallel import destroy_parallel, init_parallel
+from streamrl.learner.stage_shapes import stage_layer_counts, stage_parameters
 from streamrl.net import free_port
-from streamrl.plan.stages import stage_layer_counts, stage_parameters
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
