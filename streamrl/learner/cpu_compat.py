@@ -58,6 +58,12 @@ Megatron's DDP and optimizer (`streamrl.learner.optimizer`; DDP itself allocates
   ("can't optimize a non-leaf Tensor"): `HybridDeviceOptimizer`, i.e. `optimizer.cpu_offload`, for any model
   with float32 parameters (our norms' weights stay float32 under bf16). The shards are replaced by detached views
   of the same storage (same attributes), before the optimizer's groups are built from them.
+- Everywhere: the distributed optimizer records each parameter's place in its optimizer group in the grad buffers'
+  order (the bf16 buffer, then the float32 one), but hands the optimizer each group as its float32 shards first,
+  then the 16-bit ones; its checkpoint code looks states up by the recorded place. With every parameter of one
+  dtype (Megatron-LM's TE norms are bf16) the orders agree; our bf16 models keep float32 norms, so saving a bf16
+  learner's optimizer state paired each parameter with another's state and failed on the size. The recorded order
+  is made float32-first as well.
 
 Mixture-of-experts (`streamrl.learner.model.moe`: local spec, "alltoall" token dispatcher):
 - Everywhere: without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the
@@ -307,6 +313,22 @@ def _leaf_fp32_shards(build: Callable[..., tuple]) -> classmethod:
     return classmethod(wrapper)
 
 
+def _fp32_first_group_ranges(build: Callable[..., tuple]) -> classmethod:
+    """`DistributedOptimizer._build_optimizer_group_ranges` with each group's float32 parameters first (see docstring),
+    the order `_build_model_and_main_param_groups` gives the optimizer."""
+
+    def wrapper(cls: type, param_groups: list, gbuf_ranges: list) -> tuple:
+        index_map, group_ranges = build(param_groups, gbuf_ranges)
+        for group_index, group_range in enumerate(group_ranges):
+            params = group_range["params"]
+            params.sort(key=lambda param: param.dtype != torch.float32)  # stable: float32 first, order kept
+            for order, param in enumerate(params):
+                index_map[param] = (group_index, order)
+        return index_map, group_ranges
+
+    return classmethod(wrapper)
+
+
 def apply_cpu_compat() -> None:
     """Apply the patches described in the module docstring (once; only the "everywhere" ones when CUDA is available)."""
     global _applied
@@ -321,6 +343,8 @@ def apply_cpu_compat() -> None:
         DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     build = DistributedOptimizer._build_model_and_main_param_groups  # bound to the class
     DistributedOptimizer._build_model_and_main_param_groups = _leaf_fp32_shards(build)
+    ranges = DistributedOptimizer._build_optimizer_group_ranges
+    DistributedOptimizer._build_optimizer_group_ranges = _fp32_first_group_ranges(ranges)
     if torch.cuda.is_available():
         _applied = True
         return

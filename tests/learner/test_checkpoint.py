@@ -168,6 +168,16 @@ def test_corrupt_latest_pointer_is_refused(tp1_checkpoint: tuple, tmp_path: Path
         latest_checkpoint(root)
 
 
+def test_bf16_checkpoint_continues_exactly(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """bf16 weights with float32 norms (two grad buffers): the optimizer state of every parameter is saved as its own
+    and a reload continues exactly (Megatron's order of the optimizer's groups, see `cpu_compat`)."""
+    root = tmp_path / "checkpoints"
+    expected = _train_save_continue(tiny_model_dir, root, None, torch.bfloat16)
+    assert _load_and_continue(tiny_model_dir, step_dir(root, 2), None, torch.bfloat16) == pytest.approx(
+        expected, abs=1e-6, rel=0
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_offloaded_optimizer_checkpoint_continues_exactly_on_gpu(
