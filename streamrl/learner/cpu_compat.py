@@ -58,6 +58,9 @@ Megatron's DDP and optimizer (`streamrl.learner.optimizer`; DDP itself allocates
   ("can't optimize a non-leaf Tensor"): `HybridDeviceOptimizer`, i.e. `optimizer.cpu_offload`, for any model
   with float32 parameters (our norms' weights stay float32 under bf16). The shards are replaced by detached views
   of the same storage (same attributes), before the optimizer's groups are built from them.
+- Everywhere: after a load, `HybridDeviceOptimizer` copies each restored master weight into the float32 copy of its
+  parameter, which only 16-bit parameters have: our float32 norms raised KeyError. Their master is their host copy
+  (offloaded) or the parameter itself.
 - Everywhere: the distributed optimizer records each parameter's place in its optimizer group in the grad buffers'
   order (the bf16 buffer, then the float32 one), but hands the optimizer each group as its float32 shards first,
   then the 16-bit ones; its checkpoint code looks states up by the recorded place. With every parameter of one
@@ -84,6 +87,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 MEGATRON_VERSION = "0.16.1"
 
@@ -278,15 +282,34 @@ def _set_main_param_and_optimizer_states(
 
     With torch's AdamW the per-parameter state also holds "step" (already set from the checkpoint's common step by
     `load_state_dict`), which the original tries to copy from `tensors` too: a KeyError on every reshardable load.
-    (The precision-aware path, which we do not use, stores its state elsewhere and is rejected.)
+    Under the precision-aware path (`optimizer.cpu_offload`: HybridDeviceOptimizer) the state is set as the original
+    sets it, the master weights under "master_param".
     """
-    if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-        raise RuntimeError("streamrl: Megatron's precision-aware optimizer path is not supported")
     group_index, group_order = self.model_param_group_index_map[model_param]
-    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-    destinations = {"param": main_param, **self.optimizer.state[main_param]}
+    param = self.optimizer.param_groups[group_index]["params"][group_order]
+    if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if not isinstance(self.optimizer, HybridDeviceOptimizer):
+            raise RuntimeError("streamrl: the precision-aware optimizer is only used with HybridDeviceOptimizer")
+        for key, tensor in tensors.items():
+            self.optimizer.state[param]["master_param" if key == "param" else key] = tensor
+        return
+    destinations = {"param": param, **self.optimizer.state[param]}
     for key, tensor in tensors.items():
         destinations[key].copy_(tensor)
+
+
+def _update_masters_by_new_state(self: Any) -> None:
+    """`HybridDeviceOptimizer._update_fp32_params_by_new_state` for models with float32 parameters too.
+
+    After a load it copies each state's "master_param" into the parameter's float32 copy, which only 16-bit parameters
+    have: a float32 parameter (our norms) raised KeyError. Its master is its host copy when offloaded, else itself.
+    """
+    if not self.param_update_in_fp32:
+        return
+    for param, state in self.state.items():
+        master = self.param_to_fp32_param.get(param, self.gpu_params_map_cpu_copy.get(param, param))
+        if master is not state["master_param"]:
+            master.data.copy_(state["master_param"])
 
 
 # Stands in for the dispatcher's shared CUDA stream so that its constructor does not create one.
@@ -341,6 +364,7 @@ def apply_cpu_compat() -> None:
         moe_utils.te_general_gemm = None
     if not HAVE_APEX_OR_TE:  # torch's AdamW: its state has a "step" per parameter
         DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    HybridDeviceOptimizer._update_fp32_params_by_new_state = _update_masters_by_new_state
     build = DistributedOptimizer._build_model_and_main_param_groups  # bound to the class
     DistributedOptimizer._build_model_and_main_param_groups = _leaf_fp32_shards(build)
     ranges = DistributedOptimizer._build_optimizer_group_ranges
