@@ -178,7 +178,10 @@ def load_checkpoint(path: Path, chunks: Chunks, optimizer: MegatronOptimizer | N
     saved_layout = (meta.tensor_parallel, meta.pipeline_parallel, meta.data_parallel)
     restore_rng = optimizer is not None and saved_layout == _layout()
     state = _sharded_state(chunks, optimizer, dist.get_world_size() if restore_rng else None, is_loading=True)
-    loaded = dist_checkpointing.load(state, str(path / _DIST))
+    # An offloaded optimizer (HybridDeviceOptimizer) keeps its sub-optimizers' classes in its param groups, so the
+    # common state names torch's Adam classes: allowed by name, still without unpickling anything else.
+    with torch.serialization.safe_globals([torch.optim.AdamW, torch.optim.Adam]):
+        loaded = dist_checkpointing.load(state, str(path / _DIST))
     if (loaded["step"], loaded["version"]) != (meta.step, meta.version):
         raise CheckpointError(
             f"{path / META}: fields 'step'/'version' are {meta.step}/{meta.version} but the saved "

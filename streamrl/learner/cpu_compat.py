@@ -307,6 +307,8 @@ def _update_masters_by_new_state(self: Any) -> None:
     if not self.param_update_in_fp32:
         return
     for param, state in self.state.items():
+        if "master_param" not in state:  # a fresh state (before the first step or a load): nothing to restore
+            continue
         master = self.param_to_fp32_param.get(param, self.gpu_params_map_cpu_copy.get(param, param))
         if master is not state["master_param"]:
             master.data.copy_(state["master_param"])
@@ -314,6 +316,20 @@ def _update_masters_by_new_state(self: Any) -> None:
 
 # Stands in for the dispatcher's shared CUDA stream so that its constructor does not create one.
 _NO_CUDA_STREAM = object()
+
+
+def _move_states_to_their_params(self: Any) -> None:
+    """`HybridDeviceOptimizer._move_new_state_to_right_device` by each sub-optimizer's parameters' device.
+
+    The original sends a sub-optimizer's restored state to the host when it is an instance of the host optimizer's
+    class; without TE both classes are torch's AdamW, so the GPU share's moments went to the host too and its next
+    (fused, CUDA) step failed on the device mix."""
+    for optimizer in self.sub_optimizers:
+        for param, state in optimizer.state.items():
+            orig_param = self.inner_param_to_orig_param.get(param, param)
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    self.state[orig_param][key] = state[key] = value.to(param.device)
 
 
 def _leaf_fp32_shards(build: Callable[..., tuple]) -> classmethod:
@@ -365,6 +381,7 @@ def apply_cpu_compat() -> None:
     if not HAVE_APEX_OR_TE:  # torch's AdamW: its state has a "step" per parameter
         DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     HybridDeviceOptimizer._update_fp32_params_by_new_state = _update_masters_by_new_state
+    HybridDeviceOptimizer._move_new_state_to_right_device = _move_states_to_their_params
     build = DistributedOptimizer._build_model_and_main_param_groups  # bound to the class
     DistributedOptimizer._build_model_and_main_param_groups = _leaf_fp32_shards(build)
     ranges = DistributedOptimizer._build_optimizer_group_ranges
