@@ -68,12 +68,15 @@ def _attention(hf_config: dict[str, Any]) -> tuple[int, int]:
 def _mlp(hf_config: dict[str, Any]) -> int:
     """Sum over the layers of P_mlp; see the module doc."""
     hidden, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
-    experts = hf_config.get("num_experts") or hf_config.get("n_routed_experts") or 0
+    experts = (
+        hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts") or 0
+    )
     if not experts:
         return layers * 3 * hidden * hf_config["intermediate_size"]
     dense = hf_config.get("first_k_dense_replace") or 0
     active = hf_config["num_experts_per_tok"] + (hf_config.get("n_shared_experts") or 0)
-    sparse = 3 * hidden * hf_config["moe_intermediate_size"] * active + hidden * experts
+    width = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]  # Mixtral: no dense MLP
+    sparse = 3 * hidden * width * active + hidden * experts
     return dense * 3 * hidden * hf_config["intermediate_size"] + (layers - dense) * sparse
 
 

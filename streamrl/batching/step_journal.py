@@ -18,6 +18,9 @@ Contract (rank 0 of the learner, `StepSource`):
 - The ledger, `trained_groups.jsonl` next to the journal, lists the group ids of every step the current weights
   hold, one JSON line `{"step", "groups", "replayed"}` per step: `truncate(after)` drops the steps a resumed learner
   no longer holds (they are re-trained and written again).
+- `record_drops(reason, dropped, learner_version)` appends the ids of groups refused at admission (too stale, or
+  constant rewards) to `dropped_groups.jsonl` next to the ledger, fsynced before the caller acks them: every group an
+  engine produced is then trained (ledger), still queued, or dropped by a rule with its id on record.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class StepJournal:
         self.root, self.max_entry_bytes = root, max_entry_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self.ledger = root.parent / "trained_groups.jsonl"
+        self.drops = root.parent / "dropped_groups.jsonl"
 
     def _path(self, step: int) -> Path:
         return self.root / f"{_PREFIX}{step:08d}{_SUFFIX}"
@@ -96,6 +100,16 @@ class StepJournal:
         line = json.dumps({"step": step, "groups": [c.group.group_id for c in admitted], "replayed": replayed})
         with open(self.ledger, "a") as handle:
             handle.write(line + "\n")
+
+    def record_drops(self, reason: str, dropped: list[ConsumedGroup], learner_version: int) -> None:
+        if not dropped:
+            return
+        ids = [c.group.group_id for c in dropped]
+        line = json.dumps({"reason": reason, "groups": ids, "learner_version": learner_version})
+        with open(self.drops, "a") as handle:
+            handle.write(line + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
 
     def truncate_ledger(self, after: int) -> None:
         if not self.ledger.exists():

@@ -4,7 +4,8 @@ Contract: every learner rank calls `next_step()` once per step, in the same orde
 queue consumer) admits groups from the stream in arrival order until the step is complete (`compose.take_step`),
 dropping and counting groups whose oldest token is more than `queue.max_staleness` versions behind and, with
 `batching.drop_constant_groups`, groups whose rewards are all equal (admission; the engines keep producing, so the
-step fills with groups that carry a signal), and
+step fills with groups that carry a signal; the dropped ids are recorded in the journal's drop list before the acks),
+and
 broadcasts their wire bytes to every rank (no pickle between ranks either: docs/DESIGN.md, invariant 5). Every rank
 then plans the whole step deterministically and collates only its own micro-batches (`microbatch.plan_rank`).
 Groups read beyond the step (a token budget can overshoot) are held for the next step; they stay pending in Redis
@@ -216,12 +217,12 @@ class StepSource:
         deadline = time.monotonic() + queue.wait_timeout_s
         while True:
             self._held, stale = split_by_staleness(self._held, learner_version, queue.max_staleness)
-            self.consumer.drop(stale)
+            self._drop("stale", stale, learner_version)
             self.dropped_stale += len(stale)
             if batching.drop_constant_groups:  # DAPO's dynamic sampling: no reward variance, no gradient
                 constant = [c for c in self._held if np.all(c.group.rewards == c.group.rewards[0])]
                 self._held = [c for c in self._held if not np.all(c.group.rewards == c.group.rewards[0])]
-                self.consumer.drop(constant)
+                self._drop("constant", constant, learner_version)
                 self.dropped_constant += len(constant)
             groups = [c.group for c in self._held]
             # Every data-parallel rank needs at least one sequence.
@@ -236,6 +237,13 @@ class StepSource:
                 )
             want = groups_needed(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
             self._held += self.consumer.read(want, queue.read_block_ms)
+
+    def _drop(self, reason: str, dropped: list[ConsumedGroup], learner_version: int) -> None:
+        """Rank 0: refuse groups at admission: their ids on record (the journal's drop list), then acked."""
+        assert self.consumer is not None
+        if self.journal is not None:
+            self.journal.record_drops(reason, dropped, learner_version)
+        self.consumer.drop(dropped)
 
     def _broadcast(self, admitted: list[ConsumedGroup], wire: list[bytes] | None) -> list[TrajectoryGroup]:
         """Every rank gets the step's groups as wire bytes (rank 0 → all)."""

@@ -29,7 +29,7 @@ class RunConfig(_Section):
 
 
 class TinyModelInit(_Section):
-    arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3"] = Field(
+    arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "moonlight", "mixtral"] = Field(
         "qwen3", description="Architecture of the random model."
     )
     preset: Literal["tiny", "small", "medium"] = Field(

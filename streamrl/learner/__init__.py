@@ -13,6 +13,7 @@ __all__, __getattr__ = exports(
         "StageParameters": "stage_shapes",
         "stage_parameters": "stage_shapes",
         "moe_layers": "model.moe",
+        "expert_size": "model.moe",
         "num_experts": "model.moe",
         "shared_expert_size": "model.moe",
     },

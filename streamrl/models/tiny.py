@@ -2,9 +2,10 @@
 
 No model hub is reachable, so tests and the default config use models written by
 `write_tiny_model`: a random-initialised Qwen3 / Qwen2 / Llama causal LM (GQA, RMSNorm, SwiGLU,
-RoPE), a Qwen3-MoE one (every layer a top-k routed mixture of SwiGLU experts, no shared expert), or a DeepSeek-V3
-one (multi-latent attention with plain interleaved RoPE, a first dense layer, then sigmoid-routed experts with a
-random expert bias, group-limited top-2, and a shared expert), saved with `save_pretrained`, plus a
+RoPE), a Qwen3-MoE or Mixtral one (every layer a top-k routed mixture of SwiGLU experts, no shared expert), or a
+DeepSeek-V3 one (multi-latent attention with plain interleaved RoPE, a first dense layer, then sigmoid-routed
+experts with a random expert bias, group-limited top-2, and a shared expert; `moonlight`: Moonlight-16B-A3B's variant
+of it, a plain q projection, ungrouped routing and two shared experts), saved with `save_pretrained`, plus a
 `tokenizers`-built character tokenizer with a chat template, loadable by `transformers.AutoTokenizer` and by
 vLLM (DeepSeek-V3 by transformers only: vLLM's CPU backend has no MLA).
 """
@@ -16,7 +17,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "moonlight", "mixtral")
 
 # Shape presets; head_dim 32 because vLLM's CPU attention kernels support only a few head sizes.
 PRESETS: dict[str, dict[str, int]] = {
@@ -101,7 +102,7 @@ def _hf_config(
     tie_word_embeddings: bool,
     overrides: dict[str, Any],
 ):
-    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     shape = dict(PRESETS[preset]) | ({"num_hidden_layers": num_layers} if num_layers else {})
     common = dict(
@@ -129,7 +130,7 @@ def _hf_config(
             **MOE_PRESETS[preset],
             **common,
         )
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "moonlight"):
         common.pop("head_dim")  # MLA's head dims are the q/k (nope + rope) and v ones
         common["num_key_value_heads"] = common["num_attention_heads"]  # every head gets its keys from the latent
         if num_layers is None:  # the dense layers come in front of the preset's
@@ -144,6 +145,20 @@ def _hf_config(
             rope_interleave=True,
             **MLA_PRESETS[preset],
             **DEEPSEEK_ROUTING,
+            **common,
+        )
+        if arch == "moonlight":  # Moonlight-16B-A3B's variant: plain q projection, ungrouped routing, 2 shared experts
+            fields.update(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2)
+    elif arch == "mixtral":
+        # Mixtral's experts are `intermediate_size` wide (it has no dense MLP); softmax top-k, renormalised.
+        moe = MOE_PRESETS[preset]
+        common["intermediate_size"] = moe["moe_intermediate_size"]
+        config_class = MixtralConfig
+        fields = dict(
+            num_local_experts=moe["num_experts"],
+            num_experts_per_tok=moe["num_experts_per_tok"],
+            sliding_window=None,
+            router_jitter_noise=0.0,
             **common,
         )
     elif arch == "qwen2":

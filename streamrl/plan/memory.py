@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.config import Config
-from streamrl.learner import StageParameters, moe_layers, num_experts, shared_expert_size, stage_parameters
+from streamrl.learner import (
+    StageParameters,
+    expert_size,
+    moe_layers,
+    num_experts,
+    shared_expert_size,
+    stage_parameters,
+)
 
 GB = 1e9
 RUNTIME_BYTES = 3e9
@@ -112,7 +119,7 @@ def _layer_activation_elements(hf: dict[str, Any], sparse: bool, tp: int) -> flo
         mlp = h + 3 * hf["intermediate_size"]  # norm output, gate/up, SwiGLU output
         return (attention + mlp) / tp
     experts = num_experts(hf)
-    routed = hf["num_experts_per_tok"] * (h + 3 * hf["moe_intermediate_size"])
+    routed = hf["num_experts_per_tok"] * (h + 3 * expert_size(hf))
     shared = 3 * shared_expert_size(hf)
     return (attention + h + 2 * experts + routed + shared) / tp  # float32 router logits count twice
 

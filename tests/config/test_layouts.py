@@ -8,6 +8,7 @@ import yaml
 
 from streamrl.cli import main
 from streamrl.config import ConfigError, load_config
+from streamrl.learner import num_experts
 from streamrl.orchestrate import check_model_layout, model_architecture
 from streamrl.orchestrate.driver import check_trainable
 
@@ -18,7 +19,7 @@ ROWS = [(path, gpus) for path in PRESETS for gpus in yaml.safe_load(path.read_te
 
 def test_the_presets_of_the_seed_models_are_shipped() -> None:
     names = {path.stem for path in PRESETS}
-    assert {"deepseek-v3-671b", "qwen3-235b-a22b", "qwen3-30b-a3b", "moonlight-16b-a3b"} <= names
+    assert {"deepseek-v3-671b", "qwen3-235b-a22b", "qwen3-30b-a3b", "moonlight-16b-a3b", "mixtral-8x7b"} <= names
     rows = {path.stem: {gpus for p, gpus in ROWS if p == path} for path in PRESETS}
     assert {96, 128, 256, 512} <= rows["deepseek-v3-671b"] and {32, 64, 128, 256} <= rows["qwen3-235b-a22b"]
     assert {8, 16, 32} <= rows["qwen3-30b-a3b"]
@@ -36,7 +37,7 @@ def test_every_row_divides_its_model(path: Path, gpus: int) -> None:
     assert cluster.gpus_per_node % learner.tensor_parallel == 0
     assert rollout.tensor_parallel <= cluster.gpus_per_node and gpus % rollout.gpus_per_engine == 0
     assert hf["num_attention_heads"] % rollout.tensor_parallel == 0
-    experts = hf.get("num_experts") or hf.get("n_routed_experts")
+    experts = num_experts(hf)
     assert experts % learner.expert_parallel == 0 and experts % rollout.expert_parallel == 0
     assert config.learner.params_dtype == "bfloat16" and config.run.device == "cuda"
 

@@ -10,7 +10,7 @@ from streamrl.cli import main
 from streamrl.models.tiny import VOCAB_SIZE
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "deepseek_v3", "moonlight", "mixtral"])
 def test_init_model_cli_writes_loadable_model(tmp_path: Path, arch: str) -> None:
     out = tmp_path / arch
     assert main(["init-model", str(out), "--arch", arch]) == 0

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
+import redis
 
 from streamrl.config import Config, load_config
 from streamrl.orchestrate.cluster import Cluster
@@ -63,16 +64,27 @@ def ledger(config: Config) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def assert_every_prompt_once(cluster: Cluster, config: Config) -> None:
-    """No group is in the ledger twice, and every prompt before each engine's cursor made exactly one group, trained
-    (in the ledger) or still in the stream: none skipped, none sampled twice. For runs without stale drops."""
+def dropped(config: Config) -> list[str]:
+    """The ids of the groups refused at admission (stale, constant rewards): `RUN_DIR/dropped_groups.jsonl`."""
+    path = config.run.dir / "dropped_groups.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [group for line in lines for group in json.loads(line)["groups"]]
+
+
+def assert_every_prompt_once(client: redis.Redis, config: Config) -> None:
+    """No group is in the ledger twice, and every prompt before each engine's cursor made exactly one group: trained
+    (in the ledger), dropped by an admission rule (with its id on record) or still in the stream; none skipped, none
+    sampled twice. `client` reads the run's Redis (the job's, or the embedded server restarted on its AOF)."""
     trained = [group for row in ledger(config) for group in row["groups"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
+    refused = dropped(config)
+    assert not set(refused) & set(trained), "a dropped group was trained"
     keys = QueueKeys(config.run.name)
-    queued = [fields[b"i"].decode() for _, fields in cluster.redis_client.xrange(keys.stream)]
-    cursors = {k.decode(): json.loads(v)["index"] for k, v in cluster.redis_client.hgetall(keys.prompt_cursors).items()}
+    queued = [fields[b"i"].decode() for _, fields in client.xrange(keys.stream)]
+    cursors = {k.decode(): json.loads(v)["index"] for k, v in client.hgetall(keys.prompt_cursors).items()}
     assert cursors, "no engine saved a prompt cursor"
     for engine, cursor in cursors.items():
-        indices = sorted(int(g.rsplit("-p", 1)[1]) for g in trained + queued if g.startswith(f"{engine}-e0-"))
+        produced = trained + refused + queued
+        indices = sorted(int(g.rsplit("-p", 1)[1]) for g in produced if g.startswith(f"{engine}-e0-"))
         assert len(indices) == len(set(indices)), f"{engine}: a prompt made two groups"
         assert indices[:cursor] == list(range(cursor)), f"{engine}: a prompt before its cursor {cursor} was skipped"

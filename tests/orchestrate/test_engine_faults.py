@@ -46,7 +46,7 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
             assert_logprob_parity(cluster, config, engine)
         cluster.learner_step(3)  # and training goes on
         # The replacement resumed engine 1's prompt stream at the oldest prompt whose group had not reached the stream.
-        assert_every_prompt_once(cluster, config)
+        assert_every_prompt_once(cluster.redis_client, config)
 
 
 def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -> None:

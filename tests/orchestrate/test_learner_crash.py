@@ -59,7 +59,7 @@ def test_a_killed_learner_resumes_from_its_checkpoint_and_journal(tmp_path: Path
                 assert cluster.learner_step(step)["train/replayed"] == 0.0
             cluster.publisher.publish(step)
         save_checkpoint(cluster, STEPS)
-        assert_every_prompt_once(cluster, config)
+        assert_every_prompt_once(cluster.redis_client, config)
     assert replayed == [1.0, 1.0]
     assert not list(journal.iterdir())  # the final checkpoint holds every step
     rows = ledger(config)
@@ -94,7 +94,7 @@ def test_a_learner_rank_dying_mid_run_restarts_the_group_and_the_run_finishes(tm
         killer.start()
         history = run_steps(cluster, config, show_progress=False).history
         killer.join()
-        assert_every_prompt_once(cluster, config)
+        assert_every_prompt_once(cluster.redis_client, config)
         engines_restarted = cluster.engine_stats()["rollout/engines_restarted"]
     assert [row["train/policy_version"] for row in history] == list(range(1, STEPS + 1))  # each step logged once
     assert history[-1]["train/learner_restarts"] == 1 and engines_restarted == 0

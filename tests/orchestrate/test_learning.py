@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from streamrl.models.tiny import write_tiny_model
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, train
+from tests.learner.model.test_gpt import LLAMA3_ROPE
 from tests.orchestrate.parity import assert_logprob_parity, engine_logprobs, tiny_config, train_and_publish
 
 
@@ -70,12 +72,28 @@ def test_learning(tmp_path: Path) -> None:
             "model.init_if_missing.tie_word_embeddings=true",
             "learner.tensor_parallel=2",
         ],
+        # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks.
+        ["model.init_if_missing.arch=mixtral", "learner.data_parallel=2", "learner.expert_parallel=2"],
+        # Llama-3.x RoPE scaling (`rope_type: llama3`, the checkpoint's own factors), written below.
+        ["model.init_if_missing.arch=llama"],
     ],
-    ids=["tp1-streamed", "tp2-drain", "moe-ep2", "pp2", "cp2", "tied-tp1", "tied-qwen2-tp2"],
+    ids=[
+        "tp1-streamed",
+        "tp2-drain",
+        "moe-ep2",
+        "pp2",
+        "cp2",
+        "tied-tp1",
+        "tied-qwen2-tp2",
+        "mixtral-ep2",
+        "llama3-rope",
+    ],
 )
-def test_logprob_parity(tmp_path: Path, layout: list[str]) -> None:
+def test_logprob_parity(tmp_path: Path, layout: list[str], request: pytest.FixtureRequest) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
     config = tiny_config(tmp_path, *layout, "train.steps=2", "wandb.mode=disabled")
+    if request.node.callspec.id == "llama3-rope":  # a config.json present: init_if_missing leaves it be
+        write_tiny_model(config.model.path, "llama", rope_parameters=LLAMA3_ROPE)
     prepare_run(config)
     with Cluster(config) as cluster:
         before = engine_logprobs(cluster, config)

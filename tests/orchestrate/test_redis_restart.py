@@ -33,7 +33,7 @@ def test_a_killed_embedded_redis_is_restarted_and_the_run_finishes(tmp_path: Pat
             cluster.publisher.publish(step)
         restarts = cluster.engine_stats()["queue/redis_restarts"]
         trained = cluster.redis_client.scard(QueueKeys(config.run.name).trained)
-        assert_every_prompt_once(cluster, config)
+        assert_every_prompt_once(cluster.redis_client, config)
     assert versions == list(range(1, STEPS + 1))
     assert restarts == 1
     assert trained == STEPS * config.batching.groups_per_step  # each trained group recorded once, none lost

@@ -10,9 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import redis
+
 from streamrl.learner.checkpoint_meta import completed_step
 from streamrl.monitor.wandb_files import read_history
-from tests.orchestrate.parity import CONFIG
+from streamrl.queue import EmbeddedRedis
+from tests.orchestrate.parity import CONFIG, assert_every_prompt_once, tiny_config
 
 
 def _start(run_dir: Path, model: Path, steps: int) -> subprocess.Popen[str]:
@@ -52,3 +55,9 @@ def test_sigterm_and_stop_drain_checkpoint_and_resume(tmp_path: Path) -> None:
     assert resumed_at > stopped_at
     versions = [row["train/policy_version"] for row in read_history(run_dir)]
     assert versions == list(range(1, resumed_at + 1))  # one W&B run, no step lost or repeated
+    # Across both stops: every prompt before each engine's saved cursor made one group, trained, dropped by a rule
+    # or still queued (read from the job's own Redis, restarted on its AOF), and none was sampled twice.
+    with EmbeddedRedis(run_dir / "redis") as server:
+        client = redis.Redis.from_url(server.url, password=server.password)
+        assert_every_prompt_once(client, tiny_config(tmp_path))
+        client.close()

@@ -70,6 +70,7 @@ from streamrl.learner.hf.names import (
     hf_sources,
     megatron_names,
     part_names,
+    sharding_kind,
     source_name,
     stage_names,
     state_tensors,
@@ -171,12 +172,11 @@ def hf_to_megatron(
     check_tensor_and_expert_split(hf_config, tp_size, ep_size)
     local = num_experts(hf_config) // ep_size
     own_experts = range(ep_rank * local, (ep_rank + 1) * local)
-    mla = is_mla(hf_config)
     out: dict[str, Tensor] = {}
     for name in megatron_names(hf_config) if names is None else names:
         parts = []  # one tensor, or this EP rank's experts of a stacked expert weight
         for part_name in part_names(source_name(name, hf_config), own_experts):
-            hf_names, kind = hf_sources(part_name, mla)
+            hf_names, kind = hf_sources(part_name, hf_config)
             missing = [n for n in hf_names if n not in hf_state]
             if missing:
                 raise KeyError(f"HF checkpoint lacks {missing} needed for Megatron {part_name!r}")
@@ -185,7 +185,10 @@ def hf_to_megatron(
     # Every HF tensor of the model, including the experts other EP ranks load.
     every_expert = range(num_experts(hf_config))
     known = {
-        hf for name in megatron_names(hf_config) for n in part_names(name, every_expert) for hf in hf_sources(n, mla)[0]
+        hf
+        for name in megatron_names(hf_config)
+        for n in part_names(name, every_expert)
+        for hf in hf_sources(n, hf_config)[0]
     }
     mtp = {n for n in hf_state if _is_mtp(n, hf_config)}
     if mtp:
@@ -235,14 +238,13 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, Tensor], hf_c
 
 def megatron_to_hf(mcore_state: Mapping[str, Tensor], hf_config: dict[str, Any]) -> Iterator[tuple[str, Tensor]]:
     """Yield HF `(name, tensor)` pairs from FULL Megatron tensors, one Megatron tensor at a time."""
-    mla = is_mla(hf_config)
     for name, full in mcore_state.items():
         if name.endswith("_extra_state"):
             continue
         stacked = STACKED_RE.fullmatch(name) is not None
         parts = zip(part_names(name, range(len(full))), full, strict=True) if stacked else [(name, full)]
         for part_name, part in parts:
-            hf_names, _ = hf_sources(part_name, mla)
+            hf_names, _ = hf_sources(part_name, hf_config)
             yield from zip(hf_names, _split(part_name, part, hf_config), strict=True)
 
 
@@ -291,7 +293,7 @@ def gather_tp_shards(
                 for ep_rank, part in enumerate(parts):
                     yield expert_name(name, ep_rank * len(local) + row), part
             continue
-        _, kind = hf_sources(name, mla)
+        kind = sharding_kind(name, mla)
         if kind == REPLICATED or tp_size == 1:
             yield name, local
             continue

@@ -88,8 +88,37 @@ LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def hf_sources(name: str, mla: bool) -> tuple[list[str], str]:
-    """HF names (fused order) and sharding kind of the Megatron parameter `name` (of an MLA model if `mla`)."""
+# Mixtral's checkpoints name the MoE block `block_sparse_moe` and an expert's gate / up / down projections w1 / w3 /
+# w2; everything else as Llama.
+_MIXTRAL_NAMES = (
+    (re.compile(r"\.mlp\.(gate|experts)\."), r".block_sparse_moe.\1."),
+    (re.compile(r"(\.experts\.\d+\.)gate_proj\."), r"\1w1."),
+    (re.compile(r"(\.experts\.\d+\.)up_proj\."), r"\1w3."),
+    (re.compile(r"(\.experts\.\d+\.)down_proj\."), r"\1w2."),
+)
+
+
+def checkpoint_name(hf_name: str, hf_config: dict[str, Any]) -> str:
+    """The name the model `hf_config`'s checkpoints give the tensor called `hf_name` in the Qwen / Llama naming."""
+    if (hf_config.get("architectures") or [None])[0] == "MixtralForCausalLM":
+        for pattern, replacement in _MIXTRAL_NAMES:
+            hf_name = pattern.sub(replacement, hf_name)
+    return hf_name
+
+
+def hf_sources(name: str, hf_config: dict[str, Any]) -> tuple[list[str], str]:
+    """HF names (fused order) and sharding kind of the Megatron parameter `name` of the model `hf_config`."""
+    hf_names, kind = _hf_sources(name, is_mla(hf_config))
+    return [checkpoint_name(hf_name, hf_config) for hf_name in hf_names], kind
+
+
+def sharding_kind(name: str, mla: bool) -> str:
+    """How the Megatron parameter `name` (of an MLA model if `mla`) splits over tensor-parallel ranks."""
+    return _hf_sources(name, mla)[1]
+
+
+def _hf_sources(name: str, mla: bool) -> tuple[list[str], str]:
+    """`hf_sources` in the Qwen / Llama / DeepSeek naming (multi-latent attention if `mla`)."""
     if name in _GLOBAL_MAP:
         hf_names, kind = _GLOBAL_MAP[name]
         return list(hf_names), kind

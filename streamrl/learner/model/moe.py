@@ -1,4 +1,5 @@
-"""Mixture-of-experts (Qwen3-MoE, DeepSeek-V3) settings of the Megatron model: config translation, layout, the norm.
+"""Mixture-of-experts (Qwen3-MoE, DeepSeek-V3, Mixtral) settings of the Megatron model: config translation, layout,
+the norm.
 
 Contract:
 - `num_experts(hf_config)` is 0 for a dense model, else the routed-expert count (`num_experts`, or
@@ -12,6 +13,8 @@ Contract:
   - Qwen3-MoE (`Qwen3MoeSparseMoeBlock`): HF takes softmax over all experts, the top k, and (`norm_topk_prob`)
     renormalises them to sum 1, which equals Megatron's softmax over the top-k *logits*
     (`moe_router_pre_softmax=False`); without renormalisation it is Megatron's pre-softmax top k.
+  - Mixtral (`MixtralSparseMoeBlock`): the same softmax-then-renormalised top k (always renormalised), no shared
+    expert, its experts `intermediate_size` wide.
   - DeepSeek-V3 (`DeepseekV3MoE`): sigmoid scores; the experts are chosen on scores + `e_score_correction_bias`
     (Megatron's `expert_bias` buffer), among the `topk_group` of `n_group` groups whose two best biased scores
     sum highest (Megatron's group-limited top k sums the top `topk / group_topk` per group, hence
@@ -48,7 +51,7 @@ from megatron.core.transformer import TransformerConfig
 
 from streamrl.learner.model.fused import rms_norm
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "MixtralForCausalLM")
 
 
 def num_experts(hf_config: dict[str, Any]) -> int:
@@ -60,6 +63,20 @@ def num_experts(hf_config: dict[str, Any]) -> int:
 
 def _is_deepseek(hf_config: dict[str, Any]) -> bool:
     return (hf_config.get("architectures") or [None])[0] == "DeepseekV3ForCausalLM"
+
+
+def _is_mixtral(hf_config: dict[str, Any]) -> bool:
+    return (hf_config.get("architectures") or [None])[0] == "MixtralForCausalLM"
+
+
+def expert_size(hf_config: dict[str, Any]) -> int:
+    """Intermediate size of one routed expert (Mixtral's experts use `intermediate_size`, it has no dense MLP)."""
+    return hf_config["intermediate_size"] if _is_mixtral(hf_config) else hf_config["moe_intermediate_size"]
+
+
+def renormalises_top_k(hf_config: dict[str, Any]) -> bool:
+    """Whether the chosen experts' weights are renormalised to sum 1 (Mixtral always does; the others say so)."""
+    return _is_mixtral(hf_config) or bool(hf_config.get("norm_topk_prob", False))
 
 
 def uses_expert_bias(hf_config: dict[str, Any]) -> bool:
@@ -105,7 +122,7 @@ def _check_supported(hf_config: dict[str, Any], ep_size: int) -> None:
     if _is_deepseek(hf_config):
         _check_deepseek_routing(hf_config, experts, top_k)
     # Renormalised top-1 weights are constantly 1, which Megatron's softmax router cannot express.
-    elif top_k == 1 and hf_config.get("norm_topk_prob", False):
+    elif top_k == 1 and renormalises_top_k(hf_config):
         raise ValueError("num_experts_per_tok: top-1 routing with norm_topk_prob is not supported")
 
 
@@ -138,7 +155,7 @@ def _routing_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The router's score function and selection rule (see the module docstring)."""
     if not _is_deepseek(hf_config):
         # Softmax over the chosen logits == HF's softmax over all experts then renormalised over the top k.
-        return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not hf_config.get("norm_topk_prob"))
+        return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not renormalises_top_k(hf_config))
     groups = hf_config.get("n_group") or 1
     return dict(
         moe_router_score_function="sigmoid",
@@ -159,7 +176,7 @@ def moe_config_fields(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> 
     _check_supported(hf_config, ep_size)
     return dict(
         num_moe_experts=num_experts(hf_config),
-        moe_ffn_hidden_size=hf_config["moe_intermediate_size"],
+        moe_ffn_hidden_size=expert_size(hf_config),
         moe_router_topk=hf_config["num_experts_per_tok"],
         **_routing_fields(hf_config),
         # RL log-probs must equal the inference engine's: no auxiliary loss reshaping the gradient, no dropping.

@@ -1,5 +1,6 @@
 """A trained Megatron model exported as a HF checkpoint loads in transformers and scores like the learner;
-`streamrl export-hf` writes a saved learner checkpoint's weights exactly."""
+`streamrl export-hf` writes a saved learner checkpoint's weights exactly; small shards come with HF's index, and
+pipeline stages write their own shards."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from streamrl.config import OptimizerConfig
 from streamrl.learner.checkpoint import save_checkpoint
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
 from streamrl.learner.hf.export import export_hf
-from streamrl.learner.model.gpt import build_gpt_model
+from streamrl.learner.model.gpt import build_gpt_model, build_model_chunks
 from streamrl.learner.model.logprobs import token_logprobs
 from streamrl.learner.optimizer import build_training
+from streamrl.learner.parallel import destroy_parallel, init_parallel
+from streamrl.models.tiny import write_tiny_model
+from tests.learner.ranks import TIMEOUT_S, layout, record_errors, run_ranks
 
 SEQ = 20
 TINY_CONFIG = Path(__file__).parents[3] / "configs" / "tiny.yaml"
@@ -91,3 +95,51 @@ def test_export_hf_cli_writes_the_latest_checkpoint(tp1_world: None, tiny_model_
     exported = load_file(out / "model.safetensors")
     assert exported.keys() == expected.keys()
     assert all(torch.equal(exported[name], expected[name]) for name in expected)
+
+
+def test_export_streams_shards_with_an_index(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With small shards the export is several files and HF's index; transformers loads them as one model."""
+    from transformers import AutoModelForCausalLM
+
+    model, _, hf_config = _trained(tiny_model_dir)
+    expected = {name: tensor.cpu().clone() for name, tensor in stream_hf_weights(model, hf_config)}
+    out = tmp_path / "hf"
+    export_hf(model, hf_config, out, tiny_model_dir, shard_bytes=64 * 1024)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files and not list(out.glob("part-*"))
+    exported = {name: tensor for file in files for name, tensor in load_file(out / file).items()}
+    assert exported.keys() == expected.keys() == index["weight_map"].keys()
+    assert all(torch.equal(exported[name], expected[name]) for name in expected)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    hf_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.equal(hf_model.lm_head.weight.detach(), expected["lm_head.weight"])
+
+
+def _export_stage(rank: int, port: int, model_dir: Path, out: Path, out_dir: Path) -> None:
+    with record_errors(out_dir, rank):
+        torch.set_num_threads(1)
+        init_parallel(layout(2, 1, pipeline_parallel=2), rank, "127.0.0.1", port, seed=0)
+        hf_config, hf_state = load_hf_checkpoint(model_dir)
+        chunks = build_model_chunks(hf_config)
+        for chunk in chunks:
+            load_hf_weights(chunk, hf_state, hf_config)
+        export_hf(chunks, hf_config, out, model_dir, shard_bytes=64 * 1024)
+        destroy_parallel()
+
+
+def test_pipeline_stages_write_their_own_shards(tiny_model_dirs, tmp_path: Path) -> None:
+    """Two pipeline stages each write their layers' shards; rank 0 numbers them and writes one index: the export
+    is the checkpoint, exactly, and no rank gathered the other stage's weights."""
+    model_dir = write_tiny_model(tmp_path / "model", arch="qwen3", num_layers=4)
+    out = tmp_path / "hf"
+    run_ranks(_export_stage, 2, (model_dir, out), tmp_path, 2 * TIMEOUT_S)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    hf_state = load_hf_checkpoint(model_dir)[1]
+    assert index["weight_map"].keys() == hf_state.keys()
+    files = sorted(set(index["weight_map"].values()))
+    first, last = index["weight_map"]["model.embed_tokens.weight"], index["weight_map"]["lm_head.weight"]
+    assert first == files[0] and last == files[-1]  # stage 0's shards come first, the last stage's last
+    for file in files:
+        assert all(torch.equal(tensor, hf_state[name]) for name, tensor in load_file(out / file).items())

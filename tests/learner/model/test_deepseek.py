@@ -180,3 +180,13 @@ def test_streaming_in_the_engine_dtype_casts_once_and_keeps_the_router_bias(tp1_
     for name, tensor in streamed.items():
         expected = hf_state[name] if name.endswith("e_score_correction_bias") else hf_state[name].to(torch.bfloat16)
         assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
+
+
+def test_moonlight_variant_matches_hf(tp1_world: None, tiny_model_dirs: Callable[[str], Path]) -> None:
+    """`init-model --arch moonlight` (plain q projection, ungrouped routing, two shared experts) builds and scores
+    like transformers."""
+    moonlight_dir = tiny_model_dirs("moonlight")
+    hf_config, hf_state = load_hf_checkpoint(moonlight_dir)
+    assert hf_config["q_lora_rank"] is None and hf_config["n_group"] == 1 and hf_config["n_shared_experts"] == 2
+    assert list(hf_to_megatron(hf_state, hf_config)) == megatron_names(hf_config)
+    assert_logprobs_match_hf(moonlight_dir)
