@@ -253,7 +253,15 @@ class Cluster:
         self.get([e.allow_prompts.remote(n) for e, n in zip(self.engines, shares, strict=True)], 30, "prompt budget")
 
     def engine_stats(self) -> dict[str, float]:
-        stats = self.get([e.stats.remote() for e in self.engines], 30.0, "engine stats")
+        """Every engine's counters merged; an engine that died since the step began is replaced first (its
+        replacement's counters start again, the restart is counted)."""
+        import ray
+
+        try:
+            stats = self.get([e.stats.remote() for e in self.engines], 30.0, "engine stats")
+        except ray.exceptions.RayActorError:
+            self.replace_dead_engines()
+            stats = self.get([e.stats.remote() for e in self.engines], 30.0, "engine stats")
         # Counters add up over engines; for versions the laggard is what matters, for start-up the slowest.
         merge = {"rollout/engine_version": min, "rollout/engine_start_s": max}
         merged = {key: merge.get(key, sum)(s[key] for s in stats) for key in stats[0]}

@@ -47,6 +47,9 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
         cluster.learner_step(3)  # and training goes on
         # The replacement resumed engine 1's prompt stream at the oldest prompt whose group had not reached the stream.
         assert_every_prompt_once(cluster.redis_client, config)
+        # An engine that dies between a step and the driver's stats poll is replaced there, not a crash.
+        ray.kill(cluster.engines[0])
+        assert cluster.engine_stats()["rollout/engines_restarted"] == 2
 
 
 def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -> None:
