@@ -35,7 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("overrides", nargs="*")
     plan = sub.add_parser("plan", help="memory per GPU and per node of a config's layout, before renting GPUs")
     plan.add_argument("-c", "--config", required=True, type=Path, help="YAML run config or preset (see configs/)")
-    plan.add_argument("--gpu-memory", type=float, help="GB of one GPU (default: cluster.gpu_memory_gb)")
+    plan.add_argument(
+        "--gpu-memory",
+        type=_gigabytes,
+        help="one GPU's memory: 96GB, 80GiB or GB as a number (default: cluster.gpu_memory_gb)",
+    )
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.gpus=96")
     status = sub.add_parser("status", help="print a job's progress and, while it runs, its health")
     status.add_argument("run_dir", type=Path, help="the job's run directory (run.dir)")
@@ -107,14 +111,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _gigabytes(text: str) -> float:
+    """GB (10^9 bytes) of `96GB`, `80GiB` or a bare number of GB."""
+    units = {"gib": 2**30 / 1e9, "gb": 1.0, "": 1.0}
+    number = text.strip().lower()
+    unit = next(u for u in units if number.endswith(u))
+    try:
+        value = float(number[: len(number) - len(unit)] if unit else number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 96GB or 80GiB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value * units[unit]
+
+
 def _plan(config: Config, gpu_memory_gb: float | None) -> int:
     """Print the memory plan; 1 when a GPU of the layout does not fit, 2 when the layout cannot be built."""
     from streamrl.orchestrate import check_model_layout, model_architecture
     from streamrl.plan import format_plan, plan_memory
 
+    try:
+        architecture = model_architecture(config)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"streamrl: config error: {exc}", file=sys.stderr)
+        return 2
     if not _layout_fits(check_model_layout, config):
         return 2
-    plan = plan_memory(config, model_architecture(config), gpu_memory_gb or config.cluster.gpu_memory_gb)
+    plan = plan_memory(config, architecture, gpu_memory_gb or config.cluster.gpu_memory_gb)
     learner = config.learner
     title = (
         f"{config.run.name}: {config.cluster.gpus or learner.world_size} GPUs, {config.cluster.nodes} node(s); "

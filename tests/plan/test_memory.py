@@ -54,4 +54,15 @@ def test_a_layout_that_does_not_fit_names_its_largest_term(capsys: pytest.Captur
     assert main(args) == 1
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("does not fit: learner stage 0 needs") and "largest term is optimizer" in last
-    assert main([*args[:4], "--gpu-memory", "200"]) == 0  # the same layout on 200 GB GPUs
+    assert main([*args[:4], "--gpu-memory", "200GB"]) == 0  # the same layout on 200 GB GPUs
+    assert main([*args[:4], "--gpu-memory", "180GiB"]) == 0  # 193 GB
+
+
+def test_plan_answers_bad_input_with_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No architecture anywhere, or a size that is not one: exit 2 naming what is wrong, no traceback."""
+    tiny = CONFIGS / "tiny.yaml"
+    assert main(["plan", "-c", str(tiny), f"model.path={tmp_path / 'absent'}"]) == 2
+    assert "model.path: no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "-c", str(tiny), "--gpu-memory", "lots"])
+    assert "expected a size such as 96GB" in capsys.readouterr().err
