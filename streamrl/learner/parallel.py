@@ -52,6 +52,16 @@ def init_parallel(learner: LearnerConfig, rank: int, master_addr: str, master_po
         world_size=learner.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    initialize_groups(learner, timeout_s)
+    # The default generator is shared by all TP ranks of a data-parallel replica (as Megatron-LM seeds it);
+    # the tracker then derives the per-TP-rank model-parallel stream from the same seed.
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_groups(learner: LearnerConfig, timeout_s: float) -> None:
+    """Megatron's model-parallel groups of `learner`'s layout over the initialised default group (also used by
+    `streamrl.learner.stage_shapes` under a fake world, so the planner sees the learner's own layout)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=learner.tensor_parallel,
         pipeline_model_parallel_size=learner.pipeline_parallel,
@@ -65,10 +75,6 @@ def init_parallel(learner: LearnerConfig, rank: int, master_addr: str, master_po
         # use (`streamrl.learner.checkpoint` saves the "fully_reshardable" one over the regular groups).
         create_gloo_process_groups=False,
     )
-    # The default generator is shared by all TP ranks of a data-parallel replica (as Megatron-LM seeds it);
-    # the tracker then derives the per-TP-rank model-parallel stream from the same seed.
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_parallel() -> None:

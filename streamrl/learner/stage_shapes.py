@@ -1,13 +1,13 @@
 """The parameters one learner rank of each pipeline stage holds, from the code that builds the learner.
 
-Contract: `stage_parameters(hf_config, learner)` initialises a fake torch.distributed world of
-`learner.world_size` ranks in this process (torch's "fake" backend: groups without communication), sets up Megatron's
-model-parallel groups as `streamrl.learner.parallel.init_parallel` does, and builds, on the meta device (shapes, no
-memory), the chunks of one rank per distinct pipeline stage with `streamrl.learner.model.gpt.build_model_chunks`.
-It returns one `StageParameters` per stage (stages with the same layer kinds share one build), then tears the world
-down. Tensor-parallel ranks of a stage hold the same shapes and expert-parallel ranks the same number of experts, so
-one rank speaks for its stage. Runs in seconds on a laptop for any world size; never touches a GPU (the host build of
-the model has the same tensors).
+Contract: `stage_parameters(hf_config, learner)` initialises a fake torch.distributed world of `learner.world_size`
+ranks in this process (torch's "fake" backend: groups without communication), sets up Megatron's model-parallel
+groups with `init_parallel`'s own `streamrl.learner.parallel.initialize_groups`, and builds, on the meta device
+(shapes, no memory), the chunks of one rank per distinct pipeline stage with
+`streamrl.learner.model.gpt.build_model_chunks`. It returns one `StageParameters` per stage (stages with the same
+layer kinds share one build), then tears the world down. Tensor-parallel ranks of a stage hold the same shapes and
+expert-parallel ranks the same number of experts, so one rank speaks for its stage. Runs in seconds on a laptop for
+any world size; never touches a GPU (the host build of the model has the same tensors).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from streamrl.config import LearnerConfig
 from streamrl.learner.cpu_compat import apply_cpu_compat
 from streamrl.learner.model.gpt import build_model_chunks, is_expert_parameter
 from streamrl.learner.model.moe import moe_layers
+from streamrl.learner.parallel import initialize_groups
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,7 @@ def _build_stage(hf_config: dict[str, Any], learner: LearnerConfig, stage: int) 
     rank = stage * (learner.world_size // learner.pipeline_parallel)  # Megatron orders ranks TP, CP, EP/DP, PP
     dist.init_process_group("fake", rank=rank, world_size=learner.world_size, store=FakeStore())
     try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=learner.tensor_parallel,
-            pipeline_model_parallel_size=learner.pipeline_parallel,
-            virtual_pipeline_model_parallel_size=learner.virtual_stages if learner.virtual_stages > 1 else None,
-            context_parallel_size=learner.context_parallel,
-            expert_model_parallel_size=learner.expert_parallel,
-            expert_tensor_parallel_size=1,
-            create_gloo_process_groups=False,
-        )
+        initialize_groups(learner, learner.collective_timeout_s)
         model_parallel_cuda_manual_seed(0)
         # The host build (no GPU allocation on a GPU machine either), on the meta device: shapes only.
         with mock.patch("torch.cuda.is_available", return_value=False), torch.device("meta"):
