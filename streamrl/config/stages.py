@@ -13,7 +13,10 @@ from streamrl.config.base import _Section
 class RolloutConfig(_Section):
     engines: int = Field(1, ge=1, description="Number of vLLM engine actors.")
     gpus_per_engine: int = Field(
-        1, ge=1, description="GPUs one engine spans (its tensor-parallel x data-parallel ranks); > 1 is planned only."
+        1,
+        ge=1,
+        description="GPUs one engine spans (its tensor-parallel x data-parallel ranks); streamrl train runs them as "
+        "one tensor-parallel group (rollout.tensor_parallel equal to it), streamrl plan takes data-parallel ranks too.",
     )
     tensor_parallel: int = Field(
         1, ge=1, description="vLLM tensor-parallel size of one engine; divides gpus_per_engine."

@@ -42,7 +42,7 @@ class Cluster:
         self.engines: list[Any] = []  # slot i holds the actor of engine i (replaced on restart)
         self.engine_loops: list[Any] = []
         self.learner_group: LearnerGroup | None = None
-        self.publisher = Publisher(self, config.train)
+        self.publisher = Publisher(self, config.train, config.rollout.gpus_per_engine)
         self.engines_restarted = 0
         self.restarting: set[int] = set()  # engine slots being replaced right now
         self.slot_restarts: dict[int, int] = {}  # engine slot -> restarts so far (the backoff doubles with each)

@@ -101,10 +101,17 @@ def check_model_layout(config: Config) -> None:
 
 def check_trainable(config: Config) -> None:
     """What `streamrl plan` takes but the trainer does not run yet, refused before anything starts."""
-    if config.rollout.gpus_per_engine > 1:
+    rollout = config.rollout
+    if rollout.tensor_parallel != rollout.gpus_per_engine:
         raise ValueError(
-            f"rollout.gpus_per_engine: {config.rollout.gpus_per_engine}: engines of several GPUs are not supported "
-            "by streamrl train yet (streamrl plan takes them); use 1"
+            f"rollout.tensor_parallel: {rollout.tensor_parallel} with rollout.gpus_per_engine "
+            f"{rollout.gpus_per_engine}: streamrl train runs an engine's GPUs as one tensor-parallel group "
+            "(data-parallel ranks inside an engine are planned only); make them equal"
+        )
+    if rollout.expert_parallel not in (1, rollout.gpus_per_engine):
+        raise ValueError(
+            f"rollout.expert_parallel: {rollout.expert_parallel}: vLLM splits experts over all of an engine's "
+            f"{rollout.gpus_per_engine} GPUs or over none; use 1 or {rollout.gpus_per_engine}"
         )
     if config.colocated:
         raise ValueError(

@@ -3,8 +3,9 @@
 Contract: `Placement.reserve(config)` reserves, and waits (bounded by `cluster.placement_timeout_s`) until Ray has
 placed, one bundle per engine in one placement group spread over the nodes, and one placement group per learner
 tensor-parallel group, packed on one node (Megatron numbers ranks TP-fastest, so ranks k*TP .. (k+1)*TP - 1 are
-group k); pipeline stages and data-parallel replicas go wherever Ray finds room. A bundle reserves one GPU on CUDA
-and the config's `cluster.engine_resources` / `cluster.learner_resources` (custom resources label nodes). A
+group k); pipeline stages and data-parallel replicas go wherever Ray finds room. On CUDA a learner bundle reserves
+one GPU and an engine bundle `rollout.gpus_per_engine` (its vLLM workers run beside its actor), and both the
+config's `cluster.engine_resources` / `cluster.learner_resources` (custom resources label nodes). A
 placement that cannot be made in time is an error naming the keys to look at. `engine_options(i)` and
 `learner_options(rank)` are the Ray actor options that put an actor in its bundle (a replaced engine gets its
 predecessor's); `rendezvous()` is the learner world's address: rank 0's node IP (never loopback on a cluster) and a
@@ -42,7 +43,10 @@ class Placement:
         def bundle(extra: dict[str, float]) -> dict[str, float]:
             return {"CPU": BUNDLE_CPU, **({"GPU": gpus} if gpus else {}), **extra}
 
-        engines = placement_group([bundle(cluster.engine_resources)] * config.rollout.engines, strategy="SPREAD")
+        # An engine's GPUs are one bundle: its vLLM workers run on the node of its actor.
+        engine_gpus = {"GPU": gpus * config.rollout.gpus_per_engine} if gpus else {}
+        engine_bundle = {**bundle(cluster.engine_resources), **engine_gpus}
+        engines = placement_group([engine_bundle] * config.rollout.engines, strategy="SPREAD")
         groups = [
             placement_group([bundle(cluster.learner_resources)] * learner.tensor_parallel, strategy="STRICT_PACK")
             for _ in range(learner.world_size // learner.tensor_parallel)

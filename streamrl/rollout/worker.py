@@ -13,7 +13,9 @@ Threads of the actor and what they own:
 - receivers (`receive_weights()`): block in the weight group until a whole version has arrived,
   hand it to the loop and wait until it is applied. With `rollout.weight_apply=streamed` the receive
   itself runs on the loop (the engine pauses for the transfer) and each bucket is swapped into the
-  weights as it arrives; a publish that fails swaps the previous version back (invariant 3).
+  weights as it arrives; a publish that fails swaps the previous version back (invariant 3). An engine of several
+  GPUs receives in its vLLM workers, on the loop: decoding pauses while they load, and a version that fails half
+  way ends the process (no version is ever mixed: the fleet replaces the engine).
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
 Every token is stamped with the version it was sampled under (invariant 1). Each group is named after its prompt's
 position in this engine's prompt stream, which resumes from a durable cursor (`prompt_cursor.py`).
@@ -21,6 +23,8 @@ position in this engine's prompt stream, which resumes from a durable cursor (`p
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +46,7 @@ from streamrl.rollout.prompts import Prompt, PromptSource
 from streamrl.types import Trajectory, TrajectoryGroup
 from streamrl.weights import WeightGroup, receive_stages
 
+logger = logging.getLogger(__name__)
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
 
 
@@ -64,7 +69,11 @@ class RolloutWorker:
             seed=config.run.seed + engine_index,
             record_routes=config.loss.routing_replay == "rollout",
             trust_remote_code=config.model.trust_remote_code,
+            tensor_parallel=rollout.tensor_parallel,
+            expert_parallel=rollout.expert_parallel > 1,
         )
+        # An engine of several GPUs receives in its vLLM workers (`worker_receiver.py`), not in this process.
+        self.sharded = self.engine.workers > 1
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(config.model.path), trust_remote_code=config.model.trust_remote_code
         )
@@ -92,6 +101,7 @@ class RolloutWorker:
         self._loop_running = threading.Event()
         self._stop = threading.Event()
         self.weights: list[WeightGroup] = []  # one group per learner pipeline stage
+        self.weights_joined = False  # a sharded engine's workers are in the weight groups
         self.tokens_generated = self.versions_applied = 0
         # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
         # during long runs, so the driver reports it (rollout/engine_start_s: the slowest engine).
@@ -239,6 +249,13 @@ class RolloutWorker:
         """Become receiver `rank` of new weight groups, one per learner pipeline stage at `addresses` (collective
         with the publishers' side; the stores may wait for each other, so they are joined concurrently)."""
         timeout, device = self.config.train.publish_timeout_s, self.config.run.device
+        if self.sharded:  # ranks rank .. rank + workers - 1, one per vLLM worker; collective_rpc is the loop's
+            self._on_loop(
+                lambda: self.engine.join_weight_groups(addresses, rank, world_size, generation, timeout, device),
+                timeout_s=timeout,
+            )
+            self.weights_joined = True
+            return
 
         def join(address: tuple[str, int]) -> WeightGroup:
             return WeightGroup(address[0], address[1], rank, world_size, generation, timeout, device)
@@ -248,8 +265,10 @@ class RolloutWorker:
 
     def receive_weights(self) -> int:
         """Receive one whole version, have the loop apply it between steps; returns the version running."""
-        if not self.weights:
+        if not (self.weights or self.weights_joined):
             raise RuntimeError(f"{self.engine_id}: not in a weight group")
+        if self.sharded:  # on the loop: no decoding step runs while the workers load
+            return self._on_loop(self._receive_in_workers, timeout_s=self.config.train.publish_timeout_s)
         with self._applying, self._pending_lock:
             superseded, self._pending = self._pending, None
         if superseded is not None:  # an earlier version, timed out before the loop applied it
@@ -298,6 +317,21 @@ class RolloutWorker:
             self.engine.load_weights(version, tensors)
         self.versions_applied += 1
         return self.engine.policy_version
+
+    def _receive_in_workers(self) -> int:
+        """A sharded engine: its workers receive and load the next version; a version applied in part ends this
+        process (the fleet replaces the engine, which starts from the checkpoint and catches up)."""
+        from streamrl.rollout.worker_receiver import WeightsLost
+
+        try:
+            version = self.engine.receive_version()
+        except WeightsLost:
+            logger.exception(
+                "%s: weights lost half way through a version; ending so that it is replaced", self.engine_id
+            )
+            os._exit(1)
+        self.versions_applied += 1
+        return version
 
     # -- inspection -------------------------------------------------------------------------------
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

@@ -38,52 +38,15 @@ e.g. `reload_weights`), hence the `streamrl_` prefix on every method.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from streamrl.rollout.weight_checks import checkpoint_shapes, validate_version
+from streamrl.rollout.worker_receiver import InWorkerReceiver
 from streamrl.weights import CopyPlan, StreamedLoad
 
 logger = logging.getLogger(__name__)
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Return {HF tensor name: shape} of the safetensors checkpoint in `model_dir` (headers only)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model path {str(model_dir)!r}: no *.safetensors files to validate weight names against")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
-
-
-def validate_version(
-    tensors: list[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], optional: set[str]
-) -> None:
-    """Raise ValueError unless `tensors` is exactly one full, well-shaped copy of the checkpoint."""
-    seen: set[str] = set()
-    for name, tensor in tensors:
-        if name not in shapes:
-            raise ValueError(f"weight bucket: unknown tensor {name!r} (not a parameter of the model checkpoint)")
-        if name in seen:
-            raise ValueError(f"weight bucket: tensor {name!r} appears more than once in one version")
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(
-                f"weight bucket: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {shapes[name]}"
-            )
-        if not tensor.is_floating_point():
-            raise ValueError(f"weight bucket: tensor {name!r} has non-float dtype {tensor.dtype}")
-        seen.add(name)
-    missing = sorted(set(shapes) - optional - seen)
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5])
-        raise ValueError(f"weight bucket: version is incomplete, {len(missing)} tensors missing (e.g. {shown})")
 
 
 def _repack_cpu_moe_experts(model: torch.nn.Module) -> None:
@@ -134,8 +97,9 @@ def refresh_derived_weights(model: torch.nn.Module, tied: bool) -> None:
         _retie_output_layer(model)
 
 
-class WeightReloadExtension:
-    """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
+class WeightReloadExtension(InWorkerReceiver):
+    """Mixed into vLLM's Worker; `self` is the worker (has `model_runner`, `vllm_config`). Engines of several GPUs
+    receive in the workers themselves (`InWorkerReceiver`)."""
 
     def streamrl_apply_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Validate then load one complete version; see module docstring.

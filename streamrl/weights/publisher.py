@@ -6,7 +6,8 @@ Two sides, one per process kind:
   by bucket; the other ranks only drive the gathers they take part in (TP shards, EP experts). With
   `train.publish_lag` (an ablation knob) it keeps that many past versions and sends the oldest instead.
 - `Publisher` lives in the driver. It forms the weight groups (one per stage; every engine receives from every
-  stage), starts the learner's sends and the engines' receives together, waits for both (bounded by
+  stage; an engine of several GPUs takes one receiving rank per GPU, `ranks_per_engine`), starts the learner's
+  sends and the engines' receives together, waits for both (bounded by
   `train.publish_timeout_s`), checks that every engine runs the published version (a version is applied whole or
   not at all: docs/DESIGN.md, invariant 3) and announces it. A dead engine found by a failed publish is replaced
   or dropped by the fleet, the groups are formed anew for the survivors and the publish is retried once.
@@ -92,8 +93,9 @@ class Fleet(Protocol):
 class Publisher:
     """The driver's side: forms the weight groups and runs each publish to its commit."""
 
-    def __init__(self, fleet: Fleet, train: TrainConfig):
+    def __init__(self, fleet: Fleet, train: TrainConfig, ranks_per_engine: int = 1):
         self.fleet, self.train = fleet, train
+        self.ranks_per_engine = ranks_per_engine  # an engine of several GPUs receives in each of its vLLM workers
         self.generation = 0
         self.stale = True  # the groups must be formed (anew) before the next publish
 
@@ -102,13 +104,15 @@ class Publisher:
         fleet = self.fleet
         self.generation += 1
         addresses = fleet.get([s.weight_group_address.remote() for s in fleet.senders], 60, "weight group address")
-        world = len(fleet.engines) + 1
+        ranks = self.ranks_per_engine
+        world = len(fleet.engines) * ranks + 1
         refs = [
             s.open_weights.remote(host, port, world, self.generation)
             for s, (host, port) in zip(fleet.senders, addresses, strict=True)
         ]
         refs += [
-            e.join_weight_groups.remote(addresses, i + 1, world, self.generation) for i, e in enumerate(fleet.engines)
+            e.join_weight_groups.remote(addresses, 1 + i * ranks, world, self.generation)
+            for i, e in enumerate(fleet.engines)
         ]
         fleet.get(refs, self.train.publish_timeout_s, f"weight group {self.generation} set-up")
         self.stale = False

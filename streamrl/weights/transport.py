@@ -26,6 +26,11 @@ are kept and reused by every later version of it: no allocation or unpacking per
 recorded where the views lie (`CopyPlan`) meets the same tensors again. So a received version's tensors stay valid
 only until the next `receive` on the same group.
 
+`receive_buckets(on_bucket)` is the bounded receive of an engine of several GPUs, whose model is too large to stage
+twice: each bucket gets a fresh buffer, is handed on as it arrives and is dropped by the transport once the next
+one has arrived, so a receiver holds at most two buckets (plus what its consumer keeps); what it handed on cannot be
+taken back, so the consumer must not run a version that then fails to commit.
+
 Pipeline-parallel learners publish every stage at once, each stage's first rank over its own group;
 `receive_stages(groups)` receives from all of them concurrently and returns one version only if every
 stage delivered the same one.
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -232,6 +237,69 @@ class WeightGroup:
         self._plans[plan_id] = plan
         self._staging = {plan_id: (buffers, staged, firsts)}  # one version's worth of staging, not one per plan
         return version, list(staged)
+
+    def receive_buckets(self, on_bucket: Callable[[NamedTensors], None]) -> int:
+        """Ranks >= 1, bounded staging: hand each bucket to `on_bucket` as it arrives and keep no version. At most
+        two buckets are held by the transport (the one consumed, the next in flight); each gets a fresh buffer that
+        lives as long as the consumer keeps a view of it (vLLM's layerwise reload keeps a layer's tensors until the
+        layer is complete), so no buffer is overwritten under a consumer. Returns the version once the publisher
+        committed it. Nothing can be taken back: if the version is not committed or `on_bucket` raises, the
+        consumer has seen part of a version and must not run it; the version is still taken off the wire before
+        the error is raised, so the group stays usable."""
+        if self.rank == 0:
+            raise RuntimeError("weights: rank 0 publishes, it does not receive")
+        version, plan_id, mode = self._receive_ints(3)
+        discovered: list[Layout] = []
+        if mode == _PLANNED:
+            if plan_id not in self._plans:
+                raise ValueError(f"weights: version {version} uses bucket plan {plan_id}, which this receiver lacks")
+            layouts: Iterable[Layout] = self._plans[plan_id]
+        elif mode == _DISCOVER:
+            layouts = self._discovered_layouts(discovered)
+        else:
+            raise ValueError(f"weights: version {version} has unknown publish mode {mode}")
+        failure: Exception | None = None
+        in_flight: tuple[dist.Work, NamedTensors] | None = None
+        for layout in layouts:
+            buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+            arriving = (self._broadcast(buffer), unpack(buffer, layout))
+            if in_flight is not None:
+                failure = _consume(in_flight, on_bucket, failure)
+            in_flight = arriving
+        if in_flight is not None:
+            failure = _consume(in_flight, on_bucket, failure)
+        committed_version, committed = self._receive_ints(2)
+        if failure is not None:
+            raise failure
+        if committed_version != version or not committed:
+            self._plans.pop(plan_id, None)
+            raise ValueError(f"weights: version {version} was not committed by the publisher (bucket plan {plan_id})")
+        if mode == _DISCOVER:
+            self._plans[plan_id] = tuple(discovered)
+        return version
+
+    def _discovered_layouts(self, discovered: list[Layout]) -> Iterator[Layout]:
+        """The bucket layouts a discovering publish sends ahead of each payload, until its zero size."""
+        while size := self._receive_ints(1)[0]:
+            encoded = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._broadcast(encoded).wait()
+            discovered.append(Layout.decode(encoded.cpu().numpy().tobytes()))
+            yield discovered[-1]
+
+
+def _consume(
+    bucket: tuple[dist.Work, NamedTensors], on_bucket: Callable[[NamedTensors], None], failure: Exception | None
+) -> Exception | None:
+    """Wait for a bucket and hand it on unless an earlier one failed; returns the (first) failure."""
+    work, tensors = bucket
+    work.wait()
+    if failure is not None:
+        return failure
+    try:
+        on_bucket(tensors)
+    except Exception as exc:  # noqa: BLE001 - the rest of the version must still be taken off the wire
+        return exc
+    return None
 
 
 def receive_stages(groups: Sequence[WeightGroup]) -> tuple[int, list[tuple[str, torch.Tensor]]]:

@@ -101,10 +101,18 @@ def test_the_architecture_must_agree_with_the_checkpoint(tmp_path: Path) -> None
 
 
 def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture[str]) -> None:
-    """Multi-GPU engines and colocated engines are planned, not trained yet: refused before anything starts."""
-    config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", ["cluster.gpus=8"])
-    with pytest.raises(ValueError, match=r"rollout\.gpus_per_engine: 2: engines of several GPUs"):
+    """Engines with data-parallel ranks inside and colocated engines are planned, not trained yet: refused before
+    anything starts. Engines whose GPUs form one tensor-parallel group (experts over all or none of them) train."""
+    config = load_config(CONFIGS / "deepseek-v3-671b.yaml", ["cluster.gpus=96"])
+    with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 8 with rollout\.gpus_per_engine 32"):
         check_trainable(config)
+    config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", ["cluster.gpus=8", "rollout.expert_parallel=1"])
+    with pytest.raises(ValueError, match=r"cluster\.gpus: engines colocated"):
+        check_trainable(config)
+    overrides = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=4", "rollout.expert_parallel=2"]
+    with pytest.raises(ValueError, match=r"rollout\.expert_parallel: 2: vLLM splits experts over all of an engine's 4"):
+        check_trainable(load_config(CONFIGS / "tiny.yaml", overrides))
+    check_trainable(load_config(CONFIGS / "tiny.yaml", ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]))
     config = load_config(CONFIGS / "moonlight-16b-a3b.yaml", ["cluster.gpus=8"])
     with pytest.raises(ValueError, match=r"cluster\.gpus: engines colocated on the learner's GPUs"):
         check_trainable(config)

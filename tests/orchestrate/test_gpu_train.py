@@ -3,7 +3,9 @@
 The run goes through everything a GPU run needs and CPU CI never touches: the learner's NCCL world (the step's
 group broadcast and its statistics as device tensors), NCCL weight groups, vLLM on CUDA with CUDA graphs captured
 and weights updated in place, and checkpoints of CUDA tensors. The parity test publishes twice into a bf16 engine
-from a bf16 learner and compares log-probs at the bf16 tolerance below.
+from a bf16 learner and compares log-probs at the bf16 tolerance below; on 4 GPUs the same from a TP=2 learner into
+an engine of 2 GPUs (tensor parallel, and a MoE with its experts split over the engine's GPUs), whose workers each
+receive the versions and keep their own shards.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from streamrl.config import Config
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, train
@@ -22,8 +25,12 @@ torch = pytest.importorskip("torch")
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
+needs_four_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"
+)
 BF16_PARITY_TOL = 0.01  # max |engine - learner| log-prob per token in bf16 (measured 0.0006 on H200)
 GPU = ["run.device=cuda", "learner.collective_timeout_s=300"]
+BF16 = ["rollout.dtype=bfloat16", "learner.params_dtype=bfloat16"]
 
 
 @pytest.mark.gpu
@@ -45,17 +52,39 @@ def test_train_on_gpus_finishes_and_learns(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @needs_two_gpus
 def test_bf16_logprob_parity_after_publishes(tmp_path: Path) -> None:
-    config = tiny_config(
-        tmp_path, *GPU, "rollout.dtype=bfloat16", "learner.params_dtype=bfloat16", "wandb.mode=disabled"
-    )
+    gap = _bf16_parity_gap(tiny_config(tmp_path, *GPU, *BF16, "wandb.mode=disabled"))
+    print(f"bf16 parity after two publishes: max |engine - learner| = {gap:.4f}")
+    assert gap <= BF16_PARITY_TOL
+
+
+def _bf16_parity_gap(config: Config) -> float:
+    """Max |engine - learner| log-prob per token after two publishes (that must change the engine's log-probs)."""
     prepare_run(config)
     with Cluster(config) as cluster:
         before = engine_logprobs(cluster, config)
         train_and_publish(cluster, 2)
         engine_lp, learner_lp = engine_logprobs(cluster, config), learner_logprobs(cluster, config)
     assert np.abs(engine_lp - before).max() > 1e-3  # the published weights reached the engine's CUDA graphs
-    gap = np.abs(engine_lp - learner_lp).max()
-    print(f"bf16 parity after two publishes: max |engine - learner| = {gap:.4f}")
+    return float(np.abs(engine_lp - learner_lp).max())
+
+
+@pytest.mark.gpu
+@needs_four_gpus
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["learner.tensor_parallel=2"],
+        ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"],
+    ],
+    ids=["dense-tp2", "moe-ep2"],
+)
+def test_bf16_parity_into_an_engine_of_two_gpus(tmp_path: Path, layout: list[str]) -> None:
+    engine = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
+    if "learner.expert_parallel=2" in layout:
+        engine.append("rollout.expert_parallel=2")
+    config = tiny_config(tmp_path, *GPU, *BF16, *layout, *engine, "wandb.mode=disabled")
+    gap = _bf16_parity_gap(config)
+    print(f"bf16 parity into a 2-GPU engine ({layout}): max |engine - learner| = {gap:.4f}")
     assert gap <= BF16_PARITY_TOL
 
 

