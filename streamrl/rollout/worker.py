@@ -15,7 +15,8 @@ Threads of the actor and what they own:
   itself runs on the loop (the engine pauses for the transfer) and each bucket is swapped into the
   weights as it arrives; a publish that fails swaps the previous version back (invariant 3). An engine of several
   GPUs receives in its vLLM workers, on the loop: decoding pauses while they load, and a version that fails half
-  way ends the process (no version is ever mixed: the fleet replaces the engine).
+  way ends the process (no version is ever mixed: the fleet replaces the engine). So does a decoding step that
+  fails (a vLLM worker process died): a lost engine is replaced, not the end of the job.
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
 Every token is stamped with the version it was sampled under (invariant 1). Each group is named after its prompt's
 position in this engine's prompt stream, which resumes from a durable cursor (`prompt_cursor.py`).
@@ -30,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
 from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import PendingGroup, RewardPool
-from streamrl.rollout.engine import Sample
+from streamrl.rollout.engine import EngineLost, Sample
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
@@ -134,7 +135,7 @@ class RolloutWorker:
                 if len(self._scoring) + self.outbox.held() < self.outbox.capacity and not self._draining():
                     self._top_up()
                 if self.engine.has_unfinished():
-                    self.engine.step()
+                    self._step()
                     self._collect()
                 else:
                     time.sleep(_IDLE_S)
@@ -144,6 +145,19 @@ class RolloutWorker:
             self.outbox.close()
             self.rewards.close()
         return self.outbox.groups_pushed
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception:  # noqa: BLE001 - vLLM failed (a worker process died, a device error): the engine is lost
+            self._engine_lost("vLLM failed in a decoding step")
+
+    def _engine_lost(self, what: str) -> NoReturn:
+        """End this process: the fleet replaces a dead engine (bounded by rollout.max_engine_restarts), which resumes
+        this engine's prompt stream and catches up to the latest version; an exception would end the job instead."""
+        logger.exception("%s: %s; ending so that the engine is replaced", self.engine_id, what)
+        logging.shutdown()
+        os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -319,17 +333,12 @@ class RolloutWorker:
         return self.engine.policy_version
 
     def _receive_in_workers(self) -> int:
-        """A sharded engine: its workers receive and load the next version; a version applied in part ends this
-        process (the fleet replaces the engine, which starts from the checkpoint and catches up)."""
-        from streamrl.rollout.worker_receiver import WeightsLost
-
+        """A sharded engine: its workers receive and load the next version; a version applied in part, or workers
+        that cannot be reached, end this process (the fleet replaces the engine, which catches up by itself)."""
         try:
             version = self.engine.receive_version()
-        except WeightsLost:
-            logger.exception(
-                "%s: weights lost half way through a version; ending so that it is replaced", self.engine_id
-            )
-            os._exit(1)
+        except EngineLost as exc:
+            self._engine_lost(str(exc))
         self.versions_applied += 1
         return version
 

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
+from streamrl.rollout.engine import EngineLost
 from streamrl.rollout.weight_checks import validate_bucket, validate_complete
 from streamrl.weights import WeightGroup
 
 
-class WeightsLost(RuntimeError):
+class WeightsLost(EngineLost):
     """A version was applied in part: the worker's weights are a mix of versions and must not be sampled from."""
 
 

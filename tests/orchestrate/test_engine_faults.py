@@ -1,8 +1,12 @@
 """Engine faults during a run: an engine that dies while it is a member of the weight group makes the
 next publish fail part-way; that neither hangs the learner nor leaves a half-updated engine, and the
 replacement catches up to the latest version by itself, continuing the dead engine's prompt stream: no prompt
-skipped, none made into two groups."""
+skipped, none made into two groups. An engine of two GPUs that loses one of its vLLM worker processes is replaced
+the same way."""
 
+import multiprocessing
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -12,6 +16,7 @@ import ray
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run
 from tests.orchestrate.parity import assert_every_prompt_once, assert_logprob_parity, tiny_config
+from tests.orchestrate.test_learning import ENGINE_TP2
 
 
 @pytest.mark.slow
@@ -63,3 +68,30 @@ def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -
         assert done, "the killed engine's loop did not end"
         with pytest.raises(RuntimeError, match="rollout.max_engine_restarts: engine-0 died after 0 restarts"):
             cluster.replace_dead_engines()
+
+
+def _vllm_worker_pids(_actor: object) -> list[int]:
+    """Run inside an engine's actor: the pids of its vLLM worker processes."""
+    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("VllmWorker")]
+
+
+@pytest.mark.slow
+def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path) -> None:
+    config = tiny_config(
+        tmp_path, *ENGINE_TP2, "wandb.mode=disabled", "train.publish_timeout_s=30", "queue.max_staleness=100"
+    )
+    prepare_run(config)
+    with Cluster(config) as cluster:
+        cluster.learner_step(1)
+        cluster.publisher.publish(1)
+        victim = cluster.engines[0]
+        pids = ray.get(victim.__ray_call__.remote(_vllm_worker_pids), timeout=30)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], signal.SIGKILL)
+        cluster.learner_step(2)
+        cluster.publisher.publish(2)  # meets the engine gone (or going), replaces it and publishes again
+        assert cluster.engines_restarted == 1 and cluster.engines[0] is not victim
+        assert ray.get(cluster.engines[0].policy_version.remote(), timeout=30) == 2
+        assert_logprob_parity(cluster, config)
+        cluster.learner_step(3)
+        assert_every_prompt_once(cluster.redis_client, config)
