@@ -43,12 +43,15 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     from benchmarks.learner_mfu import make_groups
     from streamrl.batching.microbatch import plan_step
     from streamrl.config import load_config
+    from streamrl.learner.optimizer import host_threads
     from streamrl.learner.parallel import destroy_parallel, init_parallel
     from streamrl.learner.trainer import Trainer
 
     config = load_config(args.config, args.overrides)
     hf = config.model.architecture
     os.environ["LOCAL_RANK"] = str(rank)
+    # As a learner rank of `streamrl train` does: the node's cores split among the ranks for the offloaded optimizer.
+    torch.set_num_threads(host_threads(config.optimizer, config.learner.world_size // config.cluster.nodes))
     init_parallel(config.learner, rank, "127.0.0.1", port, seed=0)
     trainer = Trainer(config, hf, None)
     groups = make_groups(args, hf["vocab_size"])

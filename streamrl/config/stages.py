@@ -260,6 +260,13 @@ class OptimizerConfig(_Section):
     offload_fraction: float = Field(
         1.0, ge=0.0, le=1.0, description="cpu_offload: the fraction of the optimizer state kept on the host."
     )
+    host_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Threads a learner rank computes with on the host (the offloaded optimizer's update). Unset: with "
+        "cpu_offload on a GPU, the node's cores shared among the learner ranks on it; otherwise 1 (ranks share the "
+        "cores with the engines).",
+    )
 
     @model_validator(mode="after")
     def _offload_needs_distributed(self) -> OptimizerConfig:

@@ -22,6 +22,9 @@ Contract: after `streamrl.learner.parallel.init_parallel`, with the chunks built
   (Megatron's `HybridDeviceOptimizer`, under its precision-aware optimizer: no float32 master shard stays on the
   GPU for the offloaded share); without CUDA it is a no-op, as every tensor already lives in host memory.
 Per step: `training.zero_grad()`, `run_microbatches(training.models, ...)`, then `training.step()` (the grad norm).
+`host_threads(settings, ranks_per_node)` is how many threads a rank computes with on the host: the offloaded
+share's update is a CPU AdamW over up to billions of parameters, which one thread (a rank's default) makes a third of
+a step (measured on Qwen3-30B-A3B).
 """
 
 from __future__ import annotations
@@ -124,3 +127,15 @@ def build_training(chunks: list[GPTModel], settings: config.OptimizerConfig) -> 
         chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         chunk.config.grad_scale_func = optimizer.scale_loss
     return training
+
+
+def host_threads(settings: config.OptimizerConfig, ranks_per_node: int) -> int:
+    """Threads for this rank's host work: `optimizer.host_threads`, else the node's cores split among its learner
+    ranks when the optimizer is offloaded to the host of a GPU machine, else 1."""
+    import os
+
+    if settings.host_threads is not None:
+        return settings.host_threads
+    if not (settings.cpu_offload and torch.cuda.is_available()):
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // max(1, ranks_per_node))

@@ -23,6 +23,7 @@ from streamrl.config import Config
 from streamrl.learner import checkpoint
 from streamrl.learner.checkpoint_meta import checkpoint_root, latest_checkpoint
 from streamrl.learner.hf.convert import load_hf_checkpoint, stream_hf_weights
+from streamrl.learner.optimizer import host_threads
 from streamrl.learner.parallel import init_parallel
 from streamrl.learner.trainer import Trainer
 from streamrl.logs import to_run_logs
@@ -38,7 +39,8 @@ class LearnerWorker:
 
         self.config, self.rank = config, rank
         to_run_logs(config.run.dir, f"learner-{rank}", config.run.verbose)
-        torch.set_num_threads(1)  # ranks share the machine's cores with the engines
+        ranks_per_node = -(-config.learner.world_size // config.cluster.nodes)
+        torch.set_num_threads(host_threads(config.optimizer, ranks_per_node))  # 1 unless the optimizer is offloaded
         init_parallel(config.learner, rank, master_addr, master_port, config.run.seed)
         self.hf_config, hf_state = load_hf_checkpoint(config.model.path)
         self.trainer = Trainer(config, self.hf_config, hf_state)

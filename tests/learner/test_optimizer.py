@@ -26,7 +26,7 @@ from streamrl.config import OptimizerConfig
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import microbatch_logprobs
-from streamrl.learner.optimizer import Training, build_training
+from streamrl.learner.optimizer import Training, build_training, host_threads
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.learner.pipeline import run_microbatches
 from tests.learner.ranks import TIMEOUT_S, layout, record_errors, run_ranks
@@ -173,3 +173,18 @@ def test_recompute_leaves_gradients_unchanged(
     assert loss == pytest.approx(expected_loss, abs=1e-6)
     for name, grad in grads.items():
         assert (grad - expected[name]).abs().max().item() < 1e-6, name
+
+
+def test_host_threads_split_the_node_for_an_offloaded_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank computes on one host thread unless its optimizer is offloaded on a GPU machine: then the node's cores
+    are split among its learner ranks (one thread made the host update a third of a Qwen3-30B-A3B step)."""
+    import os
+
+    offloaded = OptimizerConfig(cpu_offload=True, offload_fraction=1.0)
+    assert host_threads(OptimizerConfig(), 4) == 1
+    assert host_threads(OptimizerConfig(host_threads=6), 4) == 6  # the config's own value wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
+    assert host_threads(offloaded, 4) == 16
+    assert host_threads(offloaded, 128) == 1
+    assert host_threads(OptimizerConfig(), 4) == 1  # not offloaded: the cores stay the engines'

@@ -55,9 +55,16 @@ def compiled_on_gpu(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
 
 
 @compiled_on_gpu
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _rms_norm_rows(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Rows of the last axis: one compiled graph per width, whatever the leading axes (hidden states, or q and k
+    # with their different head counts). Each leading shape would be a graph of its own, and past torch's recompile
+    # limit (8, with the grad-mode variants of recomputation) the rest ran eagerly.
+    return _rms_norm_rows(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
 @compiled_on_gpu

@@ -79,3 +79,21 @@ def test_compiled_matches_eager_on_gpu(name: str, dtype: torch.dtype) -> None:
     torch.manual_seed(1)
     for grad, ref_grad in zip(grads, _grads(ref, args), strict=True):
         assert _rel_err(grad, ref_grad) < tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rms_norm_compiles_once_per_width_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hidden states and q / k of every head count, with and without gradients (full recomputation's forward), of
+    one width share the compiled graphs; before rows were flattened each leading shape was a graph of its own, and
+    past torch's recompile limit the Qwen3-30B-A3B learner ran its norms eagerly."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    weight = torch.rand(128, device="cuda") + 0.5
+    for tokens in (64, 96):
+        for leading in ((tokens,), (tokens, 1), (tokens, 1, 32), (tokens, 1, 4), (tokens, 2, 8)):
+            x = torch.randn(*leading, 128, device="cuda", dtype=torch.bfloat16)
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    out = fused.rms_norm(x.requires_grad_(grad), weight, 1e-6)
+                assert _rel_err(out.float(), _reference("rms_norm", [x.detach().float(), weight, 1e-6])) < 1e-2
