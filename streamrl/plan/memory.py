@@ -23,8 +23,9 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   micro-batches at once (a step of at least that many micro-batches per data-parallel rank). The last stage
   adds the logits (`_logits`);
 - the engine (vLLM): its weights in `rollout.dtype`, dense parameters split over its tensor-parallel ranks and
-  experts over its expert-parallel ranks; staging buffers for the next version (apart: a whole version, as the
-  weight transport keeps; colocated: two publish buckets, the weights passing on the same GPU); its KV cache
+  experts over its expert-parallel ranks; staging buffers for the next version (a one-GPU engine apart from the
+  learner: a whole version, as the weight transport keeps; colocated: two publish buckets, the weights passing on the
+  same GPU; an engine of several GPUs: two publish buckets); its KV cache
   (`rollout.kv_cache_bytes` per GPU);
 - a fixed 3 GB per GPU of runtime (CUDA context, NCCL and allocator slack) for the learner and the engine each;
 - colocated (learner and engines on every GPU, as the verl layouts): the engine sleeps while the learner trains (its
@@ -32,7 +33,10 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   to the host while the engine generates, so a GPU's peak is the larger of the two phases and a node's host holds the
   offloaded optimizer state plus the larger of the two phases' parked tensors;
 - loading: each learner rank maps the checkpoint and reads one tensor at a time; the largest (the embedding) bounds
-  its buffer.
+  its buffer;
+- a fixed 12 GB of host memory per learner rank for the process itself (CUDA context, pinned staging buffers, Python
+  with torch and Megatron: measured 12 GB a rank beyond the offloaded state on 4 Qwen3-30B-A3B ranks);
+- an engine of several GPUs stages two publish buckets, not a version: its workers load each bucket as it arrives.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from streamrl.learner import (
 
 GB = 1e9
 RUNTIME_BYTES = 3e9
+HOST_PROCESS_BYTES = 12e9  # one learner rank's process on the host, beyond what the terms count
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -168,7 +173,7 @@ def _learner_stage(config: Config, hf: dict[str, Any], stage: StageParameters, k
         "runtime": RUNTIME_BYTES,
     }
     loading = hf["vocab_size"] * hf["hidden_size"] * 2  # the largest checkpoint tensor, bf16
-    host = owned * (state_bytes + 4) * offload + loading
+    host = owned * (state_bytes + 4) * offload + loading + HOST_PROCESS_BYTES
     return LearnerStage([stage.stage], stage.layers, parameters, terms, host)
 
 
@@ -179,7 +184,8 @@ def _engine(config: Config, stages: list[StageParameters]) -> dict[str, float]:
     per_gpu = (dense / rollout.tensor_parallel + experts / rollout.expert_parallel) * BYTES[rollout.dtype]
     if rollout.expert_parallel == 1:  # experts split by the engine's tensor parallelism instead
         per_gpu = (dense + experts) / rollout.tensor_parallel * BYTES[rollout.dtype]
-    staging = 2 * config.train.publish_bucket_bytes if config.colocated else per_gpu
+    bounded = config.colocated or rollout.gpus_per_engine > 1  # bucket by bucket into the weights, see above
+    staging = 2 * config.train.publish_bucket_bytes if bounded else per_gpu
     return {"weights": per_gpu, "staging": staging, "kv cache": rollout.kv_cache_bytes, "runtime": RUNTIME_BYTES}
 
 

@@ -11,7 +11,7 @@ from streamrl.cli import main
 from streamrl.config import load_config
 from streamrl.learner import stage_parameters
 from streamrl.plan import plan_memory
-from streamrl.plan.memory import GB, RUNTIME_BYTES
+from streamrl.plan.memory import GB, HOST_PROCESS_BYTES, RUNTIME_BYTES
 from tests.config.test_layouts import ROWS
 
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -44,7 +44,9 @@ def test_terms_follow_the_stated_assumptions() -> None:
     owned = stage.dense / 4 + stage.experts
     assert learner.terms["parameters"] == 2 * params and learner.terms["gradients"] == 4 * params
     assert learner.terms["optimizer"] == pytest.approx(12 * owned * 0.75)
-    assert learner.host == pytest.approx(16 * owned * 0.25 + hf["vocab_size"] * hf["hidden_size"] * 2)
+    assert learner.host == pytest.approx(
+        16 * owned * 0.25 + hf["vocab_size"] * hf["hidden_size"] * 2 + HOST_PROCESS_BYTES
+    )
     assert learner.terms["runtime"] == RUNTIME_BYTES
     assert learner.terms["logits"] == 4 * 16384 * hf["vocab_size"]  # TP 1: bf16 logits and their gradient
 
