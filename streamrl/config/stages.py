@@ -283,6 +283,11 @@ class QueueConfig(_Section):
     )
     appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="Embedded server AOF fsync.")
     max_staleness: int = Field(4, ge=0, description="Drop groups whose oldest token is more versions behind.")
+    staleness_gate: bool = Field(
+        True,
+        description="Async mode: engines start no group that would be trained more than max_staleness versions "
+        "behind (counting the groups queued and in flight ahead of it), so few are generated only to be dropped.",
+    )
     max_backlog: int = Field(256, ge=1, description="Producers wait while this many groups are unconsumed.")
     read_block_ms: int = Field(1000, gt=0, description="Longest single blocking XREADGROUP.")
     reclaim_idle_ms: int = Field(

@@ -8,7 +8,8 @@ Threads of the actor and what they own:
   recompute their KV; `rollout.weight_update=drain`: new prompts wait until the engine is empty).
   Finished groups go to the outbox (`outbox.py`), whose thread pushes them: the loop never waits on Redis.
   While the stream's backlog is at `queue.max_backlog` and the outbox is full, it submits no new prompts
-  but keeps applying weight updates, so backpressure can never deadlock a publish.
+  but keeps applying weight updates, so backpressure can never deadlock a publish. In async mode it also starts no
+  group that would be trained more than `queue.max_staleness` versions behind (`staleness_gate.py`).
 - the outbox's pusher: the only thread that writes to the stream.
 - receivers (`receive_weights()`): block in the weight group until a whole version has arrived,
   hand it to the loop and wait until it is applied. With `rollout.weight_apply=streamed` the receive
@@ -24,6 +25,7 @@ position in this engine's prompt stream, which resumes from a durable cursor (`p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -34,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
 import numpy as np
+import redis
 
 from streamrl.config import Config
 from streamrl.logs import to_run_logs
@@ -44,11 +47,13 @@ from streamrl.rollout.engine import EngineLost, Sample
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
+from streamrl.rollout.staleness_gate import StalenessGate
 from streamrl.types import Trajectory, TrajectoryGroup
 from streamrl.weights import WeightGroup, receive_stages
 
 logger = logging.getLogger(__name__)
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
+_GATE_S = 0.05  # the staleness gate's view of the system is re-read at most this often
 
 
 class RolloutWorker:
@@ -90,6 +95,20 @@ class RolloutWorker:
         # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
         self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch, on_pushed=self.cursor.pushed)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
+        # Async mode: start only groups that will be trained within queue.max_staleness (re-read every _GATE_S).
+        self.gate = (
+            StalenessGate(
+                self.redis,
+                self.keys,
+                self.engine_id,
+                config.queue.max_staleness,
+                config.batching.groups_per_step,
+                config.train.publish_every,
+            )
+            if config.queue.staleness_gate and config.train.mode == "async"
+            else None
+        )
+        self._gate_room, self._gate_next = 0, 0.0
         # Sync mode: prompts the driver allowed and not yet submitted (None: unbounded, the async default).
         self._prompt_budget: int | None = 0 if config.train.mode == "sync" else None
         self._budget_lock = threading.Lock()
@@ -144,6 +163,9 @@ class RolloutWorker:
             self._run_tasks()
             self.outbox.close()
             self.rewards.close()
+            if self.gate is not None:
+                with contextlib.suppress(redis.RedisError):  # a stopped engine holds no groups in flight
+                    self.gate.report(0)
         return self.outbox.groups_pushed
 
     def _step(self) -> None:
@@ -181,9 +203,27 @@ class RolloutWorker:
             self._prompt_budget -= 1
             return True
 
+    def _gate_allows(self) -> bool:
+        """Whether the staleness gate lets one more group start (always without a gate)."""
+        if self.gate is None:
+            return True
+        now = time.monotonic()
+        if now >= self._gate_next:
+            self.gate.report(self._unpushed())
+            self._gate_room, self._gate_next = self.gate.room(self.engine.policy_version), now + _GATE_S
+        if self._gate_room <= 0:
+            return False
+        self._gate_room -= 1
+        return True
+
+    def _unpushed(self) -> int:
+        """Groups this engine started that are not in the stream yet: generating, being scored, in the outbox."""
+        return len(self._in_flight) + len(self._scoring) + self.outbox.held()
+
     def _top_up(self) -> None:
         rollout = self.config.rollout
-        while len(self._in_flight) < rollout.prompts_per_batch and self._take_prompt_budget():
+        started = 0
+        while len(self._in_flight) < rollout.prompts_per_batch and self._gate_allows() and self._take_prompt_budget():
             position = self.prompts.get_state()
             prompt = next(self.prompts)
             message = [{"role": "user", "content": prompt.text}]
@@ -194,6 +234,9 @@ class RolloutWorker:
             self.cursor.taken(request_id, position, self.prompts.get_state())
             self.engine.submit(request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p)
             self._in_flight[request_id] = (prompt, ids)
+            started += 1
+        if started and self.gate is not None:
+            self.gate.report(self._unpushed())  # the other engines count these at once
 
     def _collect(self) -> None:
         """Finished requests go to the reward pool; the loop goes on decoding while they are scored."""
