@@ -163,6 +163,9 @@ class StepSource:
             return
         if not step.replayed:
             self.journal.record(number, step.admitted, step.wire)
+            # Before the groups leave the stream: the engines' staleness gate never sees the room a step freed
+            # without the version that step made (it would start groups one version too stale).
+            self.consumer.client.set(self.consumer.keys.learner_version, number)
             self.consumer.commit(step.admitted)
         self.journal.append_ledger(number, step.admitted, step.replayed)
 

@@ -98,6 +98,11 @@ class QueueKeys:
         return f"{self.prefix}:policy_version"
 
     @property
+    def learner_version(self) -> str:
+        """The learner's version (optimizer steps applied), set before each step's groups leave the stream."""
+        return f"{self.prefix}:learner_version"
+
+    @property
     def markers(self) -> str:
         """Hash: group id -> 1, the push marker of each group admitted to the stream and not yet retired (makes a
         retried push idempotent)."""

@@ -10,9 +10,11 @@ at version v, the k-th group in the system (counting from 0) is trained by the s
 its lag is v + k // G − v_e. `StalenessGate.room(engine_version)` is how many groups may start now so that none of
 them exceeds S (`queue.max_staleness`):
 
-    room = (S + 1 − (v − v_e)) × G − in_system,   v = the announced version + train.publish_every − 1
+    room = (S + 1 − (v − v_e)) × G − in_system,   v = the learner's version
 
-(the learner may be that many steps past the last version it published), with at least one step's worth (G) allowed in
+(the learner writes it before each step's groups leave the stream; at least the announced version +
+train.publish_every − 1, as the learner may be that many steps past the last version it published), with at least one
+step's worth (G) allowed in
 the system whatever the versions, so that the learner can always make its next step and publish. An engine reports its
 own count with `report(in_flight)` whenever it starts or pushes groups; `StalenessGate(...)` reports 0 at once, so the
 groups a dead predecessor had in flight (they are sampled again) stop counting. Approximate under races: engines read
@@ -57,8 +59,9 @@ class StalenessGate:
         pipe.xlen(self.keys.stream)
         pipe.hvals(self.key)
         pipe.get(self.keys.policy_version)
-        queued, counts, announced = pipe.execute()
+        pipe.get(self.keys.learner_version)
+        queued, counts, announced, learner_version = pipe.execute()
         in_system = int(queued) + sum(int(count) for count in counts)
-        learner = int(announced or 0) + self.publish_every - 1
+        learner = max(int(announced or 0) + self.publish_every - 1, int(learner_version or 0))
         steps = max(1, self.max_staleness + 1 - max(0, learner - engine_version))
         return steps * self.groups_per_step - in_system
