@@ -131,8 +131,10 @@ class VLLMEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        detokenize: bool = True,
     ) -> None:
-        """Queue one prompt for `n` samples; they come back from `pop_finished()` under `request_id`."""
+        """Queue one prompt for `n` samples; they come back from `pop_finished()` under `request_id`. Without
+        `detokenize`, vLLM does not build the text as it samples (`Sample.text` stays empty: the caller decodes)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -144,6 +146,7 @@ class VLLMEngine:
             seed=seed,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
+            detokenize=detokenize,
         )
         self._add(request_id, prompt_token_ids, params, n)
 

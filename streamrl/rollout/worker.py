@@ -2,7 +2,8 @@
 
 Threads of the actor and what they own:
 - the loop (`run()`): the only thread that touches vLLM. It keeps `prompts_per_batch` prompts in
-  flight (continuous batching), steps the engine, hands each finished group to the reward pool
+  flight (continuous batching), steps the engine (vLLM samples tokens only: no text is built as it decodes),
+  hands each finished group to the decoder thread and the decoded ones to the reward pool
   (`streamrl.rewards.RewardPool`: threads or processes, every call bounded) and the scored ones to the outbox, and
   between two steps applies a received weight version (in flight: running requests continue and
   recompute their KV; `rollout.weight_update=drain`: new prompts wait until the engine is empty).
@@ -10,7 +11,8 @@ Threads of the actor and what they own:
   While the stream's backlog is at `queue.max_backlog` and the outbox is full, it submits no new prompts
   but keeps applying weight updates, so backpressure can never deadlock a publish. In async mode it also starts no
   group that would be trained more than `queue.max_staleness` versions behind (`staleness_gate.py`).
-- the outbox's pusher: the only thread that writes to the stream.
+- the decoder: turns each finished group's token ids into the text its rewards read.
+- the outbox's pusher: the only thread that writes to the stream (and encodes the groups it pushes).
 - receivers (`receive_weights()`): block in the weight group until a whole version has arrived,
   hand it to the loop and wait until it is applied. With `rollout.weight_apply=streamed` the receive
   itself runs on the loop (the engine pauses for the transfer) and each bucket is swapped into the
@@ -33,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
@@ -54,6 +57,18 @@ from streamrl.weights import WeightGroup, receive_stages
 logger = logging.getLogger(__name__)
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
 _GATE_S = 0.05  # the staleness gate's view of the system is re-read at most this often
+
+
+@dataclass
+class _Finished:
+    """A finished request on its way to the outbox: its responses' text (decoded off the loop), then its rewards."""
+
+    request_id: str
+    prompt: Prompt
+    prompt_ids: list[int]
+    samples: list[Sample]
+    texts: Future[list[str]]
+    scoring: PendingGroup | None = None
 
 
 class RolloutWorker:
@@ -85,7 +100,8 @@ class RolloutWorker:
         )
         self.prompts = PromptSource(config.task, seed=config.run.seed * 1000 + engine_index)
         self.rewards = RewardPool(config.task)
-        self._scoring: list[tuple[str, list[int], list[Sample], PendingGroup]] = []  # finished, being scored
+        self._scoring: list[_Finished] = []  # finished requests being decoded and scored
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="decode")  # responses' text, off the loop
         self.keys = QueueKeys(config.run.name)
         self.redis = connect_for(config.queue, redis_url, redis_password)
         # The prompt stream continues where this engine's last run left it (a restarted engine or job skips nothing).
@@ -162,6 +178,7 @@ class RolloutWorker:
             self._loop_running.clear()
             self._run_tasks()
             self.outbox.close()
+            self._decoder.shutdown(wait=False, cancel_futures=True)
             self.rewards.close()
             if self.gate is not None:
                 with contextlib.suppress(redis.RedisError):  # a stopped engine holds no groups in flight
@@ -232,28 +249,37 @@ class RolloutWorker:
             )
             request_id = group_id(self.engine_id, position)  # the same whenever this prompt is sampled
             self.cursor.taken(request_id, position, self.prompts.get_state())
-            self.engine.submit(request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p)
+            self.engine.submit(
+                request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p, detokenize=False
+            )
             self._in_flight[request_id] = (prompt, ids)
             started += 1
         if started and self.gate is not None:
             self.gate.report(self._unpushed())  # the other engines count these at once
 
     def _collect(self) -> None:
-        """Finished requests go to the reward pool; the loop goes on decoding while they are scored."""
+        """Finished requests are decoded into text off the loop (the engine does not detokenize as it samples),
+        then scored by the reward pool; the loop goes on decoding meanwhile."""
         for request_id, samples in self.engine.pop_finished().items():
             prompt, ids = self._in_flight.pop(request_id)
-            scoring = self.rewards.submit(request_id, prompt.text, prompt.answer, [s.text for s in samples])
-            self._scoring.append((request_id, ids, samples, scoring))
+            texts = self._decoder.submit(
+                self.tokenizer.batch_decode, [s.token_ids for s in samples], skip_special_tokens=True
+            )
+            self._scoring.append(_Finished(request_id, prompt, ids, samples, texts))
 
     def _finish_scored(self) -> None:
-        """Groups whose rewards are in go to the outbox, in the order they finished."""
+        """Decoded groups go to the reward pool, and groups whose rewards are in to the outbox."""
         still = []
-        for request_id, ids, samples, scoring in self._scoring:
-            rewards = self.rewards.collect(scoring)
+        for finished in self._scoring:
+            if finished.scoring is None and finished.texts.done():
+                prompt = finished.prompt
+                responses = finished.texts.result()
+                finished.scoring = self.rewards.submit(finished.request_id, prompt.text, prompt.answer, responses)
+            rewards = None if finished.scoring is None else self.rewards.collect(finished.scoring)
             if rewards is None:
-                still.append((request_id, ids, samples, scoring))
+                still.append(finished)
                 continue
-            group = self._group(request_id, ids, samples, rewards)
+            group = self._group(finished.request_id, finished.prompt_ids, finished.samples, rewards)
             self.tokens_generated += len(group.response_ids)
             self.outbox.put(group)
         self._scoring = still
