@@ -13,13 +13,10 @@ Threads of the actor and what they own:
   group that would be trained more than `queue.max_staleness` versions behind (`staleness_gate.py`).
 - the decoder: turns each finished group's token ids into the text its rewards read.
 - the outbox's pusher: the only thread that writes to the stream (and encodes the groups it pushes).
-- receivers (`receive_weights()`): block in the weight group until a whole version has arrived,
-  hand it to the loop and wait until it is applied. With `rollout.weight_apply=streamed` the receive
-  itself runs on the loop (the engine pauses for the transfer) and each bucket is swapped into the
-  weights as it arrives; a publish that fails swaps the previous version back (invariant 3). An engine of several
-  GPUs receives in its vLLM workers, on the loop: decoding pauses while they load, and a version that fails half
-  way ends the process (no version is ever mixed: the fleet replaces the engine). So does a decoding step that
-  fails (a vLLM worker process died): a lost engine is replaced, not the end of the job.
+- receivers (`receive_weights()`): `version_receiver.py` receives each version (staged, streamed, or in the vLLM
+  workers of an engine of several GPUs) and has the loop apply it whole between two steps (invariant 3). A version
+  lost half way, or a failed decoding step (a vLLM worker process died), ends this process: a lost engine is
+  replaced by the fleet, not the end of the job.
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
 Every token is stamped with the version it was sampled under (invariant 1). Each group is named after its prompt's
 position in this engine's prompt stream, which resumes from a durable cursor (`prompt_cursor.py`).
@@ -46,13 +43,13 @@ from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
 from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import PendingGroup, RewardPool
-from streamrl.rollout.engine import EngineLost, Sample
+from streamrl.rollout.engine import Sample
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
 from streamrl.rollout.staleness_gate import StalenessGate
+from streamrl.rollout.version_receiver import VersionReceiver
 from streamrl.types import Trajectory, TrajectoryGroup
-from streamrl.weights import WeightGroup, receive_stages
 
 logger = logging.getLogger(__name__)
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
@@ -93,8 +90,6 @@ class RolloutWorker:
             tensor_parallel=rollout.tensor_parallel,
             expert_parallel=rollout.expert_parallel > 1,
         )
-        # An engine of several GPUs receives in its vLLM workers (`worker_receiver.py`), not in this process.
-        self.sharded = self.engine.workers > 1
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(config.model.path), trust_remote_code=config.model.trust_remote_code
         )
@@ -129,16 +124,10 @@ class RolloutWorker:
         self._prompt_budget: int | None = 0 if config.train.mode == "sync" else None
         self._budget_lock = threading.Lock()
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
-        self._pending: tuple[int, list[Any], Future[int]] | None = None  # a received version to apply
-        self._pending_lock = threading.Lock()
-        # Held while a version is taken and applied: the next receive overwrites the weight group's staging
-        # buffers, which an apply still reads.
-        self._applying = threading.Lock()
         self._loop_running = threading.Event()
         self._stop = threading.Event()
-        self.weights: list[WeightGroup] = []  # one group per learner pipeline stage
-        self.weights_joined = False  # a sharded engine's workers are in the weight groups
-        self.tokens_generated = self.versions_applied = 0
+        self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
+        self.tokens_generated = 0
         # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
         # during long runs, so the driver reports it (rollout/engine_start_s: the slowest engine).
         self.start_s = time.perf_counter() - started
@@ -164,10 +153,10 @@ class RolloutWorker:
         try:
             while not self._stop.is_set():
                 self._run_tasks()
-                self._apply_pending()
+                self.receiver.apply_pending()
                 self.outbox.check()
                 self._finish_scored()
-                if len(self._scoring) + self.outbox.held() < self.outbox.capacity and not self._draining():
+                if len(self._scoring) + self.outbox.held() < self.outbox.capacity and not self.receiver.draining():
                     self._top_up()
                 if self.engine.has_unfinished():
                     self._step()
@@ -200,9 +189,6 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def _draining(self) -> bool:
-        return self._pending is not None and self.config.rollout.weight_update == "drain"
 
     def allow_prompts(self, count: int) -> None:
         """Sync mode: let the loop submit `count` more prompts (one group each) under the current weights."""
@@ -329,87 +315,12 @@ class RolloutWorker:
 
     # -- weights ----------------------------------------------------------------------------------
     def join_weight_groups(self, addresses: list[tuple[str, int]], rank: int, world_size: int, generation: int) -> None:
-        """Become receiver `rank` of new weight groups, one per learner pipeline stage at `addresses` (collective
-        with the publishers' side; the stores may wait for each other, so they are joined concurrently)."""
-        timeout, device = self.config.train.publish_timeout_s, self.config.run.device
-        if self.sharded:  # ranks rank .. rank + workers - 1, one per vLLM worker; collective_rpc is the loop's
-            self._on_loop(
-                lambda: self.engine.join_weight_groups(addresses, rank, world_size, generation, timeout, device),
-                timeout_s=timeout,
-            )
-            self.weights_joined = True
-            return
-
-        def join(address: tuple[str, int]) -> WeightGroup:
-            return WeightGroup(address[0], address[1], rank, world_size, generation, timeout, device)
-
-        with ThreadPoolExecutor(len(addresses)) as pool:
-            self.weights = list(pool.map(join, addresses))
+        """Become receiver `rank` of new weight groups (`VersionReceiver.join`)."""
+        self.receiver.join(addresses, rank, world_size, generation)
 
     def receive_weights(self) -> int:
-        """Receive one whole version, have the loop apply it between steps; returns the version running."""
-        if not (self.weights or self.weights_joined):
-            raise RuntimeError(f"{self.engine_id}: not in a weight group")
-        if self.sharded:  # on the loop: no decoding step runs while the workers load
-            return self._on_loop(self._receive_in_workers, timeout_s=self.config.train.publish_timeout_s)
-        with self._applying, self._pending_lock:
-            superseded, self._pending = self._pending, None
-        if superseded is not None:  # an earlier version, timed out before the loop applied it
-            superseded[2].set_exception(RuntimeError(f"version {superseded[0]} superseded before it was applied"))
-        if self.config.rollout.weight_apply == "streamed" and len(self.weights) == 1:
-            # On the loop thread: no decoding step runs while the buckets are swapped in.
-            return self._on_loop(self._receive_streamed, timeout_s=self.config.train.publish_timeout_s)
-        version, tensors = receive_stages(self.weights)
-        future: Future[int] = Future()
-        with self._pending_lock:
-            self._pending = (version, tensors, future)
-        if not self._loop_running.is_set():
-            self._apply_pending()
-        return future.result(timeout=self.config.train.publish_timeout_s)
-
-    def _apply_pending(self) -> None:
-        with self._applying:
-            with self._pending_lock:
-                pending = self._pending
-                if pending is None or (self._draining() and self.engine.has_unfinished()):
-                    return
-                self._pending = None
-            version, tensors, future = pending
-            try:
-                if version != self.engine.policy_version:  # a catch-up publish may resend the running version
-                    self.engine.load_weights(version, tensors)
-                    self.versions_applied += 1
-                future.set_result(self.engine.policy_version)
-            except Exception as exc:  # noqa: BLE001 - the receiver reports it; the old version keeps running
-                future.set_exception(exc)
-
-    def _receive_streamed(self) -> int:
-        """Receive a version, loading each bucket as it arrives when the engine can; whole or not at all."""
-        streaming = self.engine.begin_streamed_load()
-        try:
-            version, tensors = self.weights[0].receive(on_bucket=self.engine.load_bucket if streaming else None)
-        except BaseException:
-            if streaming:
-                self.engine.end_streamed_load(None)  # the previous version, swapped back bit for bit
-            raise
-        if version == self.engine.policy_version:  # a catch-up publish may resend the running version
-            if streaming:
-                self.engine.end_streamed_load(None)
-            return version
-        if not (streaming and self.engine.end_streamed_load(version)):
-            self.engine.load_weights(version, tensors)
-        self.versions_applied += 1
-        return self.engine.policy_version
-
-    def _receive_in_workers(self) -> int:
-        """A sharded engine: its workers receive and load the next version; a version applied in part, or workers
-        that cannot be reached, end this process (the fleet replaces the engine, which catches up by itself)."""
-        try:
-            version = self.engine.receive_version()
-        except EngineLost as exc:
-            self._engine_lost(str(exc))
-        self.versions_applied += 1
-        return version
+        """Receive one whole version and have it applied; returns the version running (`VersionReceiver.receive`)."""
+        return self.receiver.receive()
 
     # -- inspection -------------------------------------------------------------------------------
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
@@ -423,7 +334,7 @@ class RolloutWorker:
             "rollout/backpressure_s": self.outbox.backpressure_s,
             "rollout/reward_timeouts": self.rewards.timed_out,
             "rollout/reward_errors": self.rewards.failed,
-            "rollout/versions_applied": self.versions_applied,
+            "rollout/versions_applied": self.receiver.versions_applied,
             "rollout/engine_version": self.engine.policy_version,
             "rollout/engine_start_s": self.start_s,
         }
