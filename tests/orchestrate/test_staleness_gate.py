@@ -1,9 +1,8 @@
-"""End to end: at a tight staleness bound the engines' staleness gate keeps every consumed group within it, where the
-same job without the gate generates groups only for the learner to drop them as stale."""
+"""End to end: at a tight staleness bound the engines' staleness gate keeps every consumed group within it. The same
+job without the gate drops a third of what it generates as stale (64 of 192 groups, benchmarks/RESULTS.md)."""
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from streamrl.monitor.wandb_files import read_history
@@ -14,24 +13,18 @@ from tests.orchestrate.parity import tiny_config
 TIGHT = ["queue.max_staleness=1", "queue.max_backlog=16", "train.steps=16", "train.checkpoint_every=0"]
 
 
-def _run(tmp_path: Path, gate: bool) -> tuple[float, float, float]:
-    """(groups dropped as stale, largest policy lag consumed, reward over the last quarter)."""
-    config = tiny_config(tmp_path, *TIGHT, f"queue.staleness_gate={str(gate).lower()}")
+def _run(tmp_path: Path) -> tuple[float, float]:
+    """(groups dropped as stale, largest policy lag consumed) of the tiny job at the tight bound, gate on."""
+    config = tiny_config(tmp_path, *TIGHT, "queue.staleness_gate=true")
     train(config, show_progress=False)
     history = read_history(config.run.dir)
     assert len(history) == config.train.steps
-    rewards = [row["rollout/reward_mean"] for row in history]
-    return (
-        float(history[-1]["queue/dropped_stale"]),  # a running count
-        float(max(row["queue/policy_lag_max"] for row in history)),
-        float(np.mean(rewards[-len(rewards) // 4 :])),
-    )
+    dropped = float(history[-1]["queue/dropped_stale"])  # a running count
+    return dropped, float(max(row["queue/policy_lag_max"] for row in history))
 
 
 @pytest.mark.slow
 def test_the_gate_keeps_consumed_groups_within_the_bound(tmp_path: Path) -> None:
-    without = _run(tmp_path / "without", gate=False)
-    with_gate = _run(tmp_path / "with", gate=True)
-    print(f"stale drops / max lag / late reward: without the gate {without}, with it {with_gate}")
-    assert without[0] > 0  # the job the gate is for: without it, generated groups go to waste
-    assert with_gate[0] == 0 and with_gate[1] <= 1
+    dropped, lag = _run(tmp_path)
+    print(f"with the gate: {dropped} groups dropped as stale, largest lag {lag}")
+    assert dropped == 0 and lag <= 1
