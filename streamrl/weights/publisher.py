@@ -133,6 +133,9 @@ class Publisher:
                 running = fleet.get(receives, self.train.publish_timeout_s, f"engines applying {version}")
             except (ray.exceptions.RayError, TimeoutError) as exc:
                 fleet.check_learners()  # a dead learner rank is the learner group's restart, not an engine's
+                # An engine that lost its weights half way ends its process as its receive ends: see that (bounded)
+                # before asking which engines died.
+                _wait_for_a_dead_engine(receives, self.train.publish_timeout_s)
                 if not fleet.replace_dead_engines() or attempt == 2:
                     raise RuntimeError(f"publish of version {version} failed and no engine was found dead") from exc
                 logger.warning("publish of version %d hit a dead engine; retrying (%s)", version, exc)
@@ -146,6 +149,22 @@ class Publisher:
             stats["perf/publish_s"] = time.perf_counter() - start
             return stats
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+def _wait_for_a_dead_engine(receives: list[Any], timeout_s: float) -> None:
+    """Until every engine's receive has ended, or one has ended with its engine dead, or `timeout_s`."""
+    import ray
+
+    deadline, pending = time.monotonic() + timeout_s, list(receives)
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return
+            except Exception:  # noqa: BLE001, S110 - a failed receive of a live engine: keep waiting for the others
+                pass
 
 
 def merge_publish_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
