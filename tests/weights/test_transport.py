@@ -9,11 +9,15 @@ import multiprocessing as mp
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from streamrl.net import free_port
+
+if TYPE_CHECKING:
+    from streamrl.weights.transport import WeightGroup
 
 TIMEOUT_S = 20.0
 BUCKET_BYTES = 32 << 10
@@ -68,6 +72,15 @@ def _member(rank: int, world: int, port: int, device: str, out: str, die_after_j
     Path(out, f"rank{rank}").write_text("\n".join(results))
 
 
+def _publish_every_version(group: "WeightGroup") -> None:
+    """Rank 0 of the receiving tests: publish each of VERSIONS (version 7 fails: the plan no longer matches)."""
+    for version, (seed, changed) in VERSIONS.items():
+        try:
+            group.publish(version, iter(_tensors(seed, changed)), bucket_bytes=BUCKET_BYTES)
+        except ValueError:
+            pass
+
+
 def _streaming_member(rank: int, world: int, port: int, device: str, out: str, _: bool) -> None:
     """Receivers load each version into a model of their own, bucket by bucket, through a recorded copy plan."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -76,11 +89,7 @@ def _streaming_member(rank: int, world: int, port: int, device: str, out: str, _
 
     group = WeightGroup("127.0.0.1", port, rank, world, generation=0, timeout_s=TIMEOUT_S, device=device)
     if rank == 0:
-        for version, (seed, changed) in VERSIONS.items():
-            try:
-                group.publish(version, iter(_tensors(seed, changed)), bucket_bytes=BUCKET_BYTES)
-            except ValueError:
-                pass  # version 7: the plan no longer matches
+        _publish_every_version(group)
         return
     model = torch.nn.ParameterDict({n.replace(".", "_"): torch.zeros_like(t) for n, t in _tensors(0)})
 
@@ -118,11 +127,7 @@ def _bounded_member(rank: int, world: int, port: int, device: str, out: str, _: 
 
     group = WeightGroup("127.0.0.1", port, rank, world, generation=0, timeout_s=TIMEOUT_S, device=device)
     if rank == 0:
-        for version, (seed, changed) in VERSIONS.items():
-            try:
-                group.publish(version, iter(_tensors(seed, changed)), bucket_bytes=BUCKET_BYTES)
-            except ValueError:
-                pass  # version 7: the plan no longer matches
+        _publish_every_version(group)
         return
 
     class Taker:
