@@ -71,6 +71,12 @@ class Config(_Section):
         engine_gpus = self.rollout.engines * self.rollout.gpus_per_engine
         return self.cluster.gpus is not None and self.learner.world_size == engine_gpus == self.cluster.gpus
 
+    @property
+    def weights_device(self) -> str:
+        """Where the weight groups move versions: the GPUs over NCCL, except between colocated learner ranks and
+        engines, which share GPUs (NCCL refuses two members on one GPU): there over gloo through host memory."""
+        return "cpu" if self.colocated else self.run.device
+
     def _check_gpus(self) -> None:
         gpus, cluster = self.cluster.gpus, self.cluster
         if gpus is None:
@@ -81,6 +87,11 @@ class Config(_Section):
                 f"{cluster.gpus_per_node}"
             )
         learner, engine_gpus = self.learner.world_size, self.rollout.engines * self.rollout.gpus_per_engine
+        if self.colocated and self.train.mode != "sync":
+            raise ValueError(
+                "train.mode: engines colocated on the learner's GPUs take turns with it (they sleep while it trains), "
+                "so the job must run train.mode=sync; give the engines GPUs of their own for async"
+            )
         if not self.colocated and learner + engine_gpus != gpus:
             raise ValueError(
                 f"cluster.gpus: {gpus} GPUs, but the learner takes {learner} (TP x CP x PP x DP) and the engines "

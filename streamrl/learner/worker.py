@@ -6,7 +6,8 @@ after every rank has stepped does rank 0 commit the step's groups (ack + record 
 `publish()` hands the stage publisher (`streamrl.weights.StagePublisher`) its stage's layers in HF names, gathered
 tensor by tensor as the buckets are packed: the first rank of every pipeline stage sends its own stage to the
 engines (no funnel through one rank). Checkpoints save and restore the trainer's model and optimizer with the
-policy version.
+policy version. A rank whose GPU it shares with an engine (colocated) hands its allocator's cached blocks back to
+the device after each step and publish, so that the engine can wake into them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class LearnerWorker:
         self.steps = StepSource.for_rank(config, rank, redis_url, redis_password, self.hf_config, self.trainer.device)
         # The first rank of each pipeline stage sends the stage's weights to the engines.
         ranks = (ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(), ps.get_data_parallel_rank())
-        self.publisher = StagePublisher(config.train, config.run.device, is_sender=ranks == (0, 0, 0))
+        self.publisher = StagePublisher(config.train, config.weights_device, is_sender=ranks == (0, 0, 0))
+        self._share_gpu = config.colocated and self.trainer.device.type == "cuda"
         self.resumed_step = 0  # step of the checkpoint this rank started from (0: a fresh start)
         root = checkpoint_root(config.run.dir)
         if config.train.resume and (latest := latest_checkpoint(root)) is not None:
@@ -69,6 +71,7 @@ class LearnerWorker:
         result = self.trainer.train(step.microbatches, self.version + 1, self.version)
         dist.barrier()  # every rank has applied its update before the data is acked
         self.version += 1
+        self._give_back_cache()
         if self.rank != 0:
             return {}
         self.steps.commit(step, self.version)
@@ -94,7 +97,15 @@ class LearnerWorker:
         each stage's sender sends it bucket by bucket to every engine, all stages at once. Never materialises a
         whole stage (except under `train.publish_lag`)."""
         chunks, dtype = self.trainer.chunks, DTYPES[self.config.rollout.dtype]
-        return self.publisher.publish(version, stream_hf_weights(chunks, self.hf_config, dtype=dtype))
+        stats = self.publisher.publish(version, stream_hf_weights(chunks, self.hf_config, dtype=dtype))
+        self._give_back_cache()
+        return stats
+
+    def _give_back_cache(self) -> None:
+        """Colocated: the step's activations and the publish's gathers are freed; return their cached blocks to the
+        GPU, where the engine sharing it wakes next (the allocator would otherwise keep them from it)."""
+        if self._share_gpu:
+            torch.cuda.empty_cache()
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> str:

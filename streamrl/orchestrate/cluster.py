@@ -127,7 +127,7 @@ class Cluster:
     def _new_engine(self, index: int) -> Any:
         options = self.placement.engine_options(index)
         return self._engine_cls.options(max_concurrency=8, **options).remote(
-            self.config, index, self.redis_url, self.redis_password
+            self.config, index, self.redis_url, self.redis_password, self.placement.engine_gpu_ids(index)
         )
 
     def get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
@@ -251,6 +251,22 @@ class Cluster:
         engines = len(self.engines)
         shares = [groups // engines + (i < groups % engines) for i in range(engines)]
         self.get([e.allow_prompts.remote(n) for e, n in zip(self.engines, shares, strict=True)], 30, "prompt budget")
+
+    def sleep_engines(self) -> dict[str, float]:
+        """Colocated: each engine, once it has pushed its share of the step, frees its GPUs for the learner; returns
+        the wait for the slowest and the memory freed on all GPUs."""
+        start = time.perf_counter()
+        slept = self.get([e.sleep.remote() for e in self.engines], self.config.queue.wait_timeout_s * 2, "engine sleep")
+        return {
+            "perf/engine_sleep_s": time.perf_counter() - start,
+            "rollout/sleep_freed_gb": sum(s["rollout/sleep_freed_bytes"] for s in slept) / 1e9,
+        }
+
+    def wake_engines(self, tags: list[str] | None = None) -> float:
+        """Colocated: the engines bring back `tags` of what sleep freed (None: all); returns the seconds it took."""
+        start = time.perf_counter()
+        self.get([e.wake.remote(tags) for e in self.engines], self.config.train.publish_timeout_s, "engine wake-up")
+        return time.perf_counter() - start
 
     def engine_stats(self) -> dict[str, float]:
         """Every engine's counters merged; an engine that died since the step began is replaced first (its

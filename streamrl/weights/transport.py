@@ -18,8 +18,10 @@ sides drop the plan, the next publish discovers again.
 
 The publisher packs bucket k+1 (which also drives the gather/convert of its tensors) while bucket k is still
 being broadcast, alternating between two reusable buffers; a bucket of one large tensor is sent from the
-tensor's own storage. On GPU, NCCL's stream waits for the packing copies queued before each broadcast, so
-nothing blocks. Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging (invariant 4).
+tensor's own storage (when it lies on the group's device: a GPU learner's tensors sent over gloo, to colocated
+engines, are packed into host buffers). On GPU, NCCL's stream waits for the packing copies queued before each
+broadcast, so nothing blocks. Every collective is bounded by `timeout_s`; a dead peer raises instead of hanging
+(invariant 4).
 Receivers stage the whole version and return it only once the publisher committed it, so a broken publish
 never reaches the model (invariant 3). The staging buffers (and the tensor views of them) of the latest plan
 are kept and reused by every later version of it: no allocation or unpacking per publish, and a consumer that
@@ -119,7 +121,8 @@ class WeightGroup:
         """Broadcast `control` tensors, then the bucket (None: filler of the layout's size) from buffer `slot`."""
         for work in self._in_flight[slot]:
             work.wait()
-        if bucket is not None and len(bucket) == 1:  # a large tensor travels from its own storage: no packing copy
+        own = bucket is not None and len(bucket) == 1 and bucket[0][1].device.type == self.device.type
+        if own:  # a large tensor travels from its own storage: no packing copy
             payload = as_bytes(bucket[0][1])
         elif bucket is not None:
             payload = pack(bucket, self._buffer(slot, layout.nbytes), layout)

@@ -49,6 +49,7 @@ def _preset(tmp_path: Path) -> Path:
             {
                 "model": {"path": "m"},
                 "learner": {"recompute": "full"},
+                "train": {"mode": "sync"},  # the 2-GPU row is colocated
                 "layouts": {
                     2: {"learner": {"data_parallel": 2}, "rollout": {"engines": 2}},
                     4: {"nodes": 2, "learner": {"data_parallel": 2}, "rollout": {"engines": 2}},
@@ -101,20 +102,21 @@ def test_the_architecture_must_agree_with_the_checkpoint(tmp_path: Path) -> None
 
 
 def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture[str]) -> None:
-    """Engines with data-parallel ranks inside and colocated engines are planned, not trained yet: refused before
-    anything starts. Engines whose GPUs form one tensor-parallel group (experts over all or none of them) train."""
+    """Engines with data-parallel ranks inside are planned, not trained yet: refused before anything starts. Engines
+    whose GPUs form one tensor-parallel group (experts over all or none of them) train, colocated ones too (in sync
+    mode, which the colocated presets set; async is refused naming train.mode)."""
     config = load_config(CONFIGS / "deepseek-v3-671b.yaml", ["cluster.gpus=96"])
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 8 with rollout\.gpus_per_engine 32"):
         check_trainable(config)
-    config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", ["cluster.gpus=8", "rollout.expert_parallel=1"])
-    with pytest.raises(ValueError, match=r"cluster\.gpus: engines colocated"):
-        check_trainable(config)
+    assert main(["train", "-c", str(CONFIGS / "deepseek-v3-671b.yaml"), "cluster.gpus=96"]) == 2
+    assert "rollout.tensor_parallel: 8 with rollout.gpus_per_engine 32" in capsys.readouterr().err
     overrides = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=4", "rollout.expert_parallel=2"]
     with pytest.raises(ValueError, match=r"rollout\.expert_parallel: 2: vLLM splits experts over all of an engine's 4"):
         check_trainable(load_config(CONFIGS / "tiny.yaml", overrides))
     check_trainable(load_config(CONFIGS / "tiny.yaml", ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]))
-    config = load_config(CONFIGS / "moonlight-16b-a3b.yaml", ["cluster.gpus=8"])
-    with pytest.raises(ValueError, match=r"cluster\.gpus: engines colocated on the learner's GPUs"):
+    for preset, gpus in (("qwen3-30b-a3b", 8), ("moonlight-16b-a3b", 8)):
+        config = load_config(CONFIGS / f"{preset}.yaml", [f"cluster.gpus={gpus}"])
+        assert config.colocated and config.train.mode == "sync" and config.weights_device == "cpu"
         check_trainable(config)
-    assert main(["train", "-c", str(CONFIGS / "moonlight-16b-a3b.yaml"), "cluster.gpus=8"]) == 2
-    assert "engines colocated" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"train\.mode: engines colocated on the learner's GPUs take turns"):
+        load_config(CONFIGS / "moonlight-16b-a3b.yaml", ["cluster.gpus=8", "train.mode=async"])
