@@ -5,7 +5,8 @@ group broadcast and its statistics as device tensors), NCCL weight groups, vLLM 
 and weights updated in place, and checkpoints of CUDA tensors. The parity test publishes twice into a bf16 engine
 from a bf16 learner and compares log-probs at the bf16 tolerance below; on 4 GPUs the same from a TP=2 learner into
 an engine of 2 GPUs (tensor parallel, and a MoE with its experts split over the engine's GPUs), whose workers each
-receive the versions and keep their own shards.
+receive the versions and keep their own shards. The colocated test shares both GPUs between the learner and the
+engines (sync mode, vLLM sleeping while the learner trains).
 """
 
 from __future__ import annotations
@@ -47,6 +48,38 @@ def test_train_on_gpus_finishes_and_learns(tmp_path: Path) -> None:
     assert last >= first + 0.15, (first, last)
     assert history[-1]["rollout/engine_version"] == config.train.steps
     assert (config.run.dir / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["learner.data_parallel=2", "rollout.engines=2"],
+        ["learner.tensor_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"],
+    ],
+    ids=["dp2-two-engines", "tp2-one-engine-of-two-gpus"],
+)
+def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[str]) -> None:
+    """Every GPU holds a learner rank and (part of) an engine; the engines free their GPU memory while the learner
+    trains, and every version reaches them whole."""
+    steps = 40
+    config = tiny_config(
+        tmp_path, *GPU, "train.mode=sync", "cluster.gpus=2", *layout, f"train.steps={steps}", "train.checkpoint_every=0"
+    )
+    assert config.colocated
+    result = train(config, show_progress=False)
+    history = read_history(config.run.dir)
+    assert len(history) == steps
+    assert history[-1]["rollout/engine_version"] == steps
+    assert all(row["queue/policy_lag_max"] == 0 for row in history)
+    freed = min(row["rollout/sleep_freed_gb"] for row in history)
+    assert freed * 1e9 >= 0.9 * 2 * config.rollout.kv_cache_bytes  # at least the KV cache of both GPUs, every step
+    rewards = np.array([row["rollout/reward_mean"] for row in history])
+    first, last = rewards[: steps // 4].mean(), rewards[-steps // 4 :].mean()
+    step_s = np.median([row["perf/step_time_s"] for row in history])
+    print(f"colocated {layout}: reward {first:.3f} -> {last:.3f}, freed {freed:.2f} GB, step {step_s:.2f} s; {result.summary}")
+    assert last >= first + 0.15, (first, last)
 
 
 @pytest.mark.gpu
