@@ -6,8 +6,10 @@ after every rank has stepped does rank 0 commit the step's groups (ack + record 
 `publish()` hands the stage publisher (`streamrl.weights.StagePublisher`) its stage's layers in HF names, gathered
 tensor by tensor as the buckets are packed: the first rank of every pipeline stage sends its own stage to the
 engines (no funnel through one rank). Checkpoints save and restore the trainer's model and optimizer with the
-policy version. A rank whose GPU it shares with an engine (colocated) hands its allocator's cached blocks back to
-the device after each step and publish, so that the engine can wake into them.
+policy version. A rank that shares its GPU with an engine (colocated) hands its allocator's cached blocks back to
+the device after each step and publish, and `park()` moves its weights, gradient buffers, reference model and
+optimizer state to host memory while the engine generates (`streamrl.learner.parking`); whatever needs them next
+(a step, a publish, a checkpoint, a parity score) brings them back first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from streamrl.learner.checkpoint_meta import checkpoint_root, latest_checkpoint
 from streamrl.learner.hf.convert import load_hf_checkpoint, stream_hf_weights
 from streamrl.learner.optimizer import host_threads
 from streamrl.learner.parallel import init_parallel
+from streamrl.learner.parking import HostParking, training_tensors
 from streamrl.learner.trainer import Trainer
 from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
@@ -53,6 +56,10 @@ class LearnerWorker:
         ranks = (ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(), ps.get_data_parallel_rank())
         self.publisher = StagePublisher(config.train, config.weights_device, is_sender=ranks == (0, 0, 0))
         self._share_gpu = config.colocated and self.trainer.device.type == "cuda"
+        trainer = self.trainer
+        self.parking = HostParking(
+            lambda: training_tensors([*trainer.chunks, *trainer.reference_chunks], trainer.training.optimizer)
+        )
         self.resumed_step = 0  # step of the checkpoint this rank started from (0: a fresh start)
         root = checkpoint_root(config.run.dir)
         if config.train.resume and (latest := latest_checkpoint(root)) is not None:
@@ -67,6 +74,7 @@ class LearnerWorker:
     def step(self) -> dict[str, float]:
         """One optimizer step on the next step's groups (every rank); rank 0 commits them and returns the metrics."""
         start = time.perf_counter()
+        unpark_s = self._unpark()
         step = self.steps.next_step(self.version)
         result = self.trainer.train(step.microbatches, self.version + 1, self.version)
         dist.barrier()  # every rank has applied its update before the data is acked
@@ -77,6 +85,7 @@ class LearnerWorker:
         self.steps.commit(step, self.version)
         metrics = result.stats.metrics(self.config.loss) | result.metrics | {"train/replayed": float(step.replayed)}
         metrics |= self.steps.metrics(step, self.version - 1, time.perf_counter() - start)
+        metrics |= {"perf/learner_unpark_s": unpark_s} if self._share_gpu else {}
         return metrics | {"train/grad_norm": result.grad_norm, "train/policy_version": self.version}
 
     # -- publishing -------------------------------------------------------------------------------
@@ -96,10 +105,22 @@ class LearnerWorker:
         """All ranks stream their stage in HF names (TP shards and EP experts gathered, cast to the engine dtype);
         each stage's sender sends it bucket by bucket to every engine, all stages at once. Never materialises a
         whole stage (except under `train.publish_lag`)."""
+        self._unpark()
         chunks, dtype = self.trainer.chunks, DTYPES[self.config.rollout.dtype]
         stats = self.publisher.publish(version, stream_hf_weights(chunks, self.hf_config, dtype=dtype))
         self._give_back_cache()
         return stats
+
+    def park(self) -> float:
+        """Colocated on GPUs: move this rank's training state to host memory for the engine's turn (nothing to do
+        elsewhere); returns the GB parked."""
+        return self.parking.park() / 1e9 if self._share_gpu else 0.0
+
+    def _unpark(self) -> float:
+        """Bring the training state back if it is parked; returns the seconds it took."""
+        start = time.perf_counter()
+        self.parking.unpark()
+        return time.perf_counter() - start
 
     def _give_back_cache(self) -> None:
         """Colocated: the step's activations and the publish's gathers are freed; return their cached blocks to the
@@ -110,6 +131,7 @@ class LearnerWorker:
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> str:
         """All ranks: save model, optimizer, RNG and version as `step` under run.dir/checkpoints; returns the path."""
+        self._unpark()
         root = checkpoint_root(self.config.run.dir)
         path = checkpoint.save_checkpoint(
             root,
@@ -124,6 +146,7 @@ class LearnerWorker:
 
     def load_checkpoint(self, path: str) -> int:
         """All ranks: restore what `save_checkpoint` saved at `path` (the layout may differ); returns its step."""
+        self._unpark()
         meta = checkpoint.load_checkpoint(Path(path), self.trainer.chunks, self.trainer.training.optimizer)
         self.version, self.resumed_step = meta.version, meta.step
         return meta.step
@@ -138,4 +161,5 @@ class LearnerWorker:
 
     def logprobs(self, input_ids: list[int], labels: list[int]) -> list[float]:
         """Log-prob of each label under the current weights (parity checks); every rank calls it."""
+        self._unpark()
         return self.trainer.logprobs(input_ids, labels)

@@ -262,6 +262,13 @@ class Cluster:
             "rollout/sleep_freed_gb": sum(s["rollout/sleep_freed_bytes"] for s in slept) / 1e9,
         }
 
+    def park_learners(self) -> dict[str, float]:
+        """Colocated: every learner rank moves its training state to host memory for the engines' turn (a no-op
+        without CUDA); returns the seconds and the GB parked on all ranks. A dead rank raises `LearnerDied`."""
+        start = time.perf_counter()
+        parked = self.learner_group.call("park", (), "learner park")
+        return {"perf/learner_park_s": time.perf_counter() - start, "learner/parked_gb": sum(parked)}
+
     def wake_engines(self, tags: list[str] | None = None) -> float:
         """Colocated: the engines bring back `tags` of what sleep freed (None: all); returns the seconds it took."""
         start = time.perf_counter()

@@ -139,7 +139,8 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
     """Drive the learner from its resumed step up to `train.steps`, publishing every `publish_every` and
     checkpointing every `checkpoint_every` steps and after the last one. In sync mode the engines get exactly one
     step's prompts before each step and none while the learner trains and publishes; colocated, they also sleep from
-    the moment they pushed the step's groups until the publish (`Cluster.sleep_engines`)."""
+    the moment they pushed the step's groups until the publish (`Cluster.sleep_engines`), and the learner ranks park
+    their training state on the host while the engines generate (`Cluster.park_learners`)."""
     first = start_step(cluster)
     train = config.train
     monitor = RunMonitor(config, show_progress, first_step=first)
@@ -158,11 +159,12 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         step = first + 1
         while step <= train.steps:
             colocated: dict[str, float] = {}
-            if config.colocated:  # the engines take the GPUs back, whatever the last step left asleep
-                colocated["perf/engine_wake_s"] = cluster.wake_engines()
-            if train.mode == "sync" and step not in replayed and step > logged:  # groups sampled under these weights
-                cluster.allow_prompts(config.batching.groups_per_step)
             try:
+                if config.colocated:  # the engines' turn: the learner's state to the host, the engines awake
+                    colocated |= cluster.park_learners()
+                    colocated["perf/engine_wake_s"] = cluster.wake_engines()
+                if train.mode == "sync" and step not in replayed and step > logged:  # sampled under these weights
+                    cluster.allow_prompts(config.batching.groups_per_step)
                 if config.colocated:  # the step's groups are pushed: the GPUs are the learner's until the publish
                     colocated |= cluster.sleep_engines()
                 metrics = cluster.learner_step(step) | colocated

@@ -75,6 +75,8 @@ def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[
     assert all(row["queue/policy_lag_max"] == 0 for row in history)
     freed = min(row["rollout/sleep_freed_gb"] for row in history)
     assert freed * 1e9 >= 0.9 * 2 * config.rollout.kv_cache_bytes  # at least the KV cache of both GPUs, every step
+    # The learner's weights, gradients and Adam state were on the host while the engines generated, every step.
+    assert min(row["learner/parked_gb"] for row in history) > 0
     rewards = np.array([row["rollout/reward_mean"] for row in history])
     first, last = rewards[: steps // 4].mean(), rewards[-steps // 4 :].mean()
     step_s = np.median([row["perf/step_time_s"] for row in history])
