@@ -44,6 +44,7 @@ from streamrl.queue import (
     connect_for,
     decode_group,
     encode_group,
+    grant_prompts,
     lag_histogram,
     split_by_staleness,
 )
@@ -247,6 +248,9 @@ class StepSource:
         if self.journal is not None:
             self.journal.record_drops(reason, dropped, learner_version)
         self.consumer.drop(dropped)
+        if self.config.train.mode == "sync":  # the engine that sampled a refused group samples one more for the step
+            for consumed in dropped:
+                grant_prompts(self.consumer.client, self.consumer.keys, consumed.group.engine_id, 1)
 
     def _broadcast(self, admitted: list[ConsumedGroup], wire: list[bytes] | None) -> list[TrajectoryGroup]:
         """Every rank gets the step's groups as wire bytes (rank 0 → all)."""

@@ -29,7 +29,7 @@ from streamrl.logs import stderr_to_run_logs
 from streamrl.orchestrate.learner_group import LearnerGroup
 from streamrl.orchestrate.placement import Placement, check_shared_dir
 from streamrl.orchestrate.redis_watch import RedisWatch
-from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for
+from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for, grant_prompts
 from streamrl.weights import Publisher
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ class Cluster:
         self._start_ray()
         self._start_redis()
         self.redis_client = connect_for(config.queue, self.redis_url, self.redis_password)
+        self.keys = QueueKeys(config.run.name)
+        # Sync budgets left by an earlier run of this job are void: each step grants its own.
+        self.redis_client.delete(self.keys.sync_budget)
         if config.cluster.nodes > 1:
             check_shared_dir(config.cluster.shared_dir, config.cluster.placement_timeout_s)
         self.placement = Placement.reserve(config)
@@ -218,7 +221,7 @@ class Cluster:
 
     def announce_version(self, version: int) -> None:
         """The latest complete version, for engines that join later and for operators."""
-        self.redis_client.set(QueueKeys(self.config.run.name).policy_version, version)
+        self.redis_client.set(self.keys.policy_version, version)
 
     # -- steps and stats --------------------------------------------------------------------------
     @property
@@ -247,20 +250,42 @@ class Cluster:
         self.publisher.stale = True
 
     def allow_prompts(self, groups: int) -> None:
-        """Sync mode: the engines generate `groups` more groups between them (split as evenly as can be)."""
+        """Sync mode: the engines may start `groups` more prompts between them (split as evenly as can be), a budget
+        in Redis that a replaced engine inherits (`streamrl.queue.sync_budget`)."""
         engines = len(self.engines)
-        shares = [groups // engines + (i < groups % engines) for i in range(engines)]
-        self.get([e.allow_prompts.remote(n) for e, n in zip(self.engines, shares, strict=True)], 30, "prompt budget")
+        for index in range(engines):
+            share = groups // engines + (index < groups % engines)
+            grant_prompts(self.redis_client, self.keys, f"engine-{index}", share)
+
+    def wait_for_step_groups(self, version: int) -> dict[str, float]:
+        """Sync mode: until every engine has pushed the groups of its budget (bounded by `queue.wait_timeout_s`). An
+        engine that dies meanwhile is replaced and gets `version` (the weights the step starts from) before it
+        starts its predecessor's prompts again; returns the seconds waited."""
+        import ray
+
+        start = time.perf_counter()
+        timeout = self.config.queue.wait_timeout_s
+        while True:
+            try:
+                done = self.get([e.step_done.remote() for e in self.engines], timeout, "engines' step groups")
+            except ray.exceptions.RayActorError:
+                self.replace_dead_engines()
+                self.publisher.publish(version)
+                if self.config.colocated:  # the publish brought the learner's state back to its GPUs
+                    self.learner_group.call("park", (), "learner park")
+                continue
+            if all(done):
+                return {"perf/generate_wait_s": time.perf_counter() - start}
+            if time.perf_counter() - start > timeout:
+                raise TimeoutError(f"sync mode: the engines did not push the step's groups within {timeout}s")
+            time.sleep(0.05)
 
     def sleep_engines(self) -> dict[str, float]:
-        """Colocated: each engine, once it has pushed its share of the step, frees its GPUs for the learner; returns
-        the wait for the slowest and the memory freed on all GPUs."""
+        """Colocated, once the step's groups are pushed: the engines free their GPUs for the learner; returns the
+        seconds it took and the memory freed on all GPUs."""
         start = time.perf_counter()
-        slept = self.get([e.sleep.remote() for e in self.engines], self.config.queue.wait_timeout_s * 2, "engine sleep")
-        return {
-            "perf/engine_sleep_s": time.perf_counter() - start,
-            "rollout/sleep_freed_gb": sum(s["rollout/sleep_freed_bytes"] for s in slept) / 1e9,
-        }
+        freed = self.get([e.sleep.remote() for e in self.engines], self.config.train.publish_timeout_s, "engine sleep")
+        return {"perf/engine_sleep_s": time.perf_counter() - start, "rollout/sleep_freed_gb": sum(freed) / 1e9}
 
     def park_learners(self) -> dict[str, float]:
         """Colocated: every learner rank moves its training state to host memory for the engines' turn (a no-op

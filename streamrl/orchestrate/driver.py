@@ -138,7 +138,8 @@ def save_checkpoint(cluster: Cluster, step: int) -> dict[str, float]:
 def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> RunResult:
     """Drive the learner from its resumed step up to `train.steps`, publishing every `publish_every` and
     checkpointing every `checkpoint_every` steps and after the last one. In sync mode the engines get exactly one
-    step's prompts before each step and none while the learner trains and publishes; colocated, they also sleep from
+    step's prompts before each step, and the learner starts once they have pushed its groups (an engine lost
+    meanwhile is replaced and does its predecessor's part under the same weights); colocated, they also sleep from
     the moment they pushed the step's groups until the publish (`Cluster.sleep_engines`), and the learner ranks park
     their training state on the host while the engines generate (`Cluster.park_learners`)."""
     first = start_step(cluster)
@@ -158,16 +159,17 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         published, logged = first, first  # the engines' version; the last step logged
         step = first + 1
         while step <= train.steps:
-            colocated: dict[str, float] = {}
+            turns: dict[str, float] = {}  # sync mode: the engines' turn before the learner's
             try:
                 if config.colocated:  # the engines' turn: the learner's state to the host, the engines awake
-                    colocated |= cluster.park_learners()
-                    colocated["perf/engine_wake_s"] = cluster.wake_engines()
+                    turns |= cluster.park_learners()
+                    turns["perf/engine_wake_s"] = cluster.wake_engines()
                 if train.mode == "sync" and step not in replayed and step > logged:  # sampled under these weights
                     cluster.allow_prompts(config.batching.groups_per_step)
+                    turns |= cluster.wait_for_step_groups(step - 1)
                 if config.colocated:  # the step's groups are pushed: the GPUs are the learner's until the publish
-                    colocated |= cluster.sleep_engines()
-                metrics = cluster.learner_step(step) | colocated
+                    turns |= cluster.sleep_engines()
+                metrics = cluster.learner_step(step) | turns
                 # Engines already run a version at least this new after a learner restart: nothing to send until
                 # past it. A replaced engine (stale weight group) gets the current weights now, not at the cadence.
                 due = step % train.publish_every == 0 or cluster.publisher.stale

