@@ -18,9 +18,10 @@ Threads of the actor and what they own:
   lost half way, or a failed decoding step (a vLLM worker process died), ends this process: a lost engine is
   replaced by the fleet, not the end of the job.
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
-Colocated (the engine shares its GPUs with learner ranks; sync mode): `sleep()` waits until the step's prompts are
-generated and pushed, then frees the engine's GPU memory for the learner; `wake(tags)` brings it back (weights for
-the publish, then the KV cache); a sleeping engine submits nothing.
+Sync mode: the loop starts only the prompts of this engine's budget for the step (`streamrl.queue.sync_budget`, in
+Redis), under the announced version; `step_done()` tells the driver that they are all in the stream. Colocated (the
+engine shares its GPUs with learner ranks): then `sleep()` frees the engine's GPU memory for the learner and
+`wake(tags)` brings it back (weights for the publish, then the KV cache); a sleeping engine starts nothing.
 Every token is stamped with the version it was sampled under (invariant 1). Each group is named after its prompt's
 position in this engine's prompt stream, which resumes from a durable cursor (`prompt_cursor.py`).
 """
