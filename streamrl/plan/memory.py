@@ -24,8 +24,9 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   adds the logits (`_logits`);
 - the engine (vLLM): its weights in `rollout.dtype`, dense parameters split over its tensor-parallel ranks and
   experts over its expert-parallel ranks; staging buffers for the next version (a one-GPU engine apart from the
-  learner: a whole version, as the weight transport keeps; colocated: two publish buckets, the weights passing on the
-  same GPU; an engine of several GPUs: two publish buckets); its KV cache
+  learner: a whole version, as the weight transport keeps; colocated: two publish buckets, which arrive through host
+  memory (gloo: NCCL takes no two members on one GPU) and are counted here as an upper bound; an engine of several
+  GPUs: two publish buckets); its KV cache
   (`rollout.kv_cache_bytes` per GPU);
 - a fixed 3 GB per GPU of runtime (CUDA context, NCCL and allocator slack) for the learner and the engine each;
 - colocated (learner and engines on every GPU, as the verl layouts): the engine sleeps while the learner trains (its
