@@ -259,20 +259,21 @@ class Cluster:
 
     def wait_for_step_groups(self, version: int) -> dict[str, float]:
         """Sync mode: until every engine has pushed the groups of its budget (bounded by `queue.wait_timeout_s`). An
-        engine that dies meanwhile is replaced and gets `version` (the weights the step starts from) before it
-        starts its predecessor's prompts again; returns the seconds waited."""
+        engine that dies meanwhile (or was replaced since the last publish) is replaced and gets `version`, the
+        weights the step starts from, before it starts its predecessor's prompts again; returns the seconds waited."""
         import ray
 
         start = time.perf_counter()
         timeout = self.config.queue.wait_timeout_s
         while True:
+            if self.publisher.stale:  # a replacement samples only under the announced version: send it
+                self.publisher.publish(version)
+                if self.config.colocated:  # the publish brought the learner's state back to its GPUs
+                    self.learner_group.call("park", (), "learner park")
             try:
                 done = self.get([e.step_done.remote() for e in self.engines], timeout, "engines' step groups")
             except ray.exceptions.RayActorError:
                 self.replace_dead_engines()
-                self.publisher.publish(version)
-                if self.config.colocated:  # the publish brought the learner's state back to its GPUs
-                    self.learner_group.call("park", (), "learner park")
                 continue
             if all(done):
                 return {"perf/generate_wait_s": time.perf_counter() - start}
@@ -282,9 +283,10 @@ class Cluster:
 
     def sleep_engines(self) -> dict[str, float]:
         """Colocated, once the step's groups are pushed: the engines free their GPUs for the learner; returns the
-        seconds it took and the memory freed on all GPUs."""
+        seconds it took and the memory freed on all GPUs (an engine found dead is replaced, and its replacement
+        sleeps)."""
         start = time.perf_counter()
-        freed = self.get([e.sleep.remote() for e in self.engines], self.config.train.publish_timeout_s, "engine sleep")
+        freed = self._on_every_engine("sleep", (), "engine sleep")
         return {"perf/engine_sleep_s": time.perf_counter() - start, "rollout/sleep_freed_gb": sum(freed) / 1e9}
 
     def park_learners(self) -> dict[str, float]:
@@ -295,10 +297,23 @@ class Cluster:
         return {"perf/learner_park_s": time.perf_counter() - start, "learner/parked_gb": sum(parked)}
 
     def wake_engines(self, tags: list[str] | None = None) -> float:
-        """Colocated: the engines bring back `tags` of what sleep freed (None: all); returns the seconds it took."""
+        """Colocated: the engines bring back `tags` of what sleep freed (None: all); returns the seconds it took. An
+        engine found dead is replaced (awake; the next publish brings it the weights)."""
         start = time.perf_counter()
-        self.get([e.wake.remote(tags) for e in self.engines], self.config.train.publish_timeout_s, "engine wake-up")
+        self._on_every_engine("wake", (tags,), "engine wake-up")
         return time.perf_counter() - start
+
+    def _on_every_engine(self, method: str, args: tuple, what: str) -> list[Any]:
+        """`method(*args)` on every engine (bounded by `train.publish_timeout_s`); if one is dead, it is replaced and
+        the call made again."""
+        import ray
+
+        timeout = self.config.train.publish_timeout_s
+        try:
+            return self.get([getattr(e, method).remote(*args) for e in self.engines], timeout, what)
+        except ray.exceptions.RayActorError:
+            self.replace_dead_engines()
+            return self.get([getattr(e, method).remote(*args) for e in self.engines], timeout, what)
 
     def engine_stats(self) -> dict[str, float]:
         """Every engine's counters merged; an engine that died since the step began is replaced first (its

@@ -91,6 +91,34 @@ def test_an_engine_lost_mid_step_is_replaced_and_the_step_fills_on_policy(tmp_pa
     print(f"sync steps with an engine lost: {[round(s['perf/step_time_s'], 2) for s in steps]} s")
 
 
+def test_a_colocated_engine_lost_between_turns_is_replaced_and_samples_under_the_step_weights(tmp_path: Path) -> None:
+    overrides = ["train.mode=sync", "cluster.gpus=1", "wandb.mode=disabled", "train.checkpoint_every=0"]
+    config = tiny_config(tmp_path, *overrides)
+    groups = config.batching.groups_per_step
+    prepare_run(config)
+    with Cluster(config) as cluster:
+
+        def engines_turn(version: int) -> None:  # the driver's turns of a colocated sync step (`run_steps`)
+            cluster.park_learners()
+            cluster.wake_engines()
+            cluster.allow_prompts(groups)
+            cluster.wait_for_step_groups(version)
+            cluster.sleep_engines()
+
+        engines_turn(0)
+        steps = [cluster.learner_step(1)]
+        cluster.wake_engines(["weights"])
+        cluster.publisher.publish(1)
+        victim = cluster.engines[0]
+        ray.kill(victim)  # lost between the publish and its turn: replaced at wake-up, on model.path's weights
+        ray.wait([cluster.engine_loops[0]], timeout=30)
+        engines_turn(1)  # the replacement gets version 1 before it samples
+        steps.append(cluster.learner_step(2))
+        assert cluster.engines_restarted == 1 and cluster.engines[0] is not victim
+        assert_every_prompt_once(cluster.redis_client, config)
+    assert all(step["queue/policy_lag_max"] == 0 for step in steps)
+
+
 def test_sync_mode_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="train.publish_every"):
         tiny_config(tmp_path, "train.mode=sync", "train.publish_every=2")
