@@ -123,6 +123,7 @@ def measure(config: Config, mode: str) -> dict[str, Any]:
         "forward_backward_s": mean("perf/forward_backward_s"),
         "optimizer_s": mean("perf/optimizer_s"),
         "publish_s": mean("perf/publish_s"),
+        "generate_wait_s": mean("perf/generate_wait_s"),  # sync: the engines' turn, before the learner's step
         "engine_sleep_s": mean("perf/engine_sleep_s"),  # colocated: the wait for the step's groups, then the sleep
         "engine_wake_s": mean("perf/engine_wake_s"),
         "reward_per_sample": statistics.fmean(rewards),
@@ -156,15 +157,16 @@ def main() -> None:
     sync = max(r["trained_tokens_per_s"] for r in runs if r["mode"] != "async")
     print(
         "| mode | staleness | wall s | gen tok/s | trained tok/s | vs best sync | engine GPU busy | learner GPU busy | "
-        "lag | drops | step s | wait s | fwd+bwd s | publish s | reward/sample |"
+        "lag | drops | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample |"
     )
-    print("|" + "---|" * 15)
+    print("|" + "---|" * 16)
     for r in runs:
         busy = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("engine_gpu_busy", "learner_gpu_busy")]
         print(
             f"| {r['mode']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['generated_tokens_per_s']:.0f} | "
             f"{r['trained_tokens_per_s']:.0f} | {r['trained_tokens_per_s'] / sync:.2f} | {busy[0]} | {busy[1]} | "
-            f"{r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | {r['step_s']:.3f} | {r['wait_s']:.3f} | "
+            f"{r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | {r['generate_wait_s']:.3f} | "
+            f"{r['step_s']:.3f} | {r['wait_s']:.3f} | "
             f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} |"
         )
     print(f"wrote {args.out}")
