@@ -124,7 +124,7 @@ def measure(config: Config, mode: str) -> dict[str, Any]:
         "optimizer_s": mean("perf/optimizer_s"),
         "publish_s": mean("perf/publish_s"),
         "generate_wait_s": mean("perf/generate_wait_s"),  # sync: the engines' turn, before the learner's step
-        "engine_sleep_s": mean("perf/engine_sleep_s"),  # colocated: the wait for the step's groups, then the sleep
+        "engine_sleep_s": mean("perf/engine_sleep_s"),  # colocated: the engines freeing their GPUs
         "engine_wake_s": mean("perf/engine_wake_s"),
         "reward_per_sample": statistics.fmean(rewards),
         "reward_last_quarter": statistics.fmean(rewards[-quarter:]),
