@@ -29,7 +29,7 @@ from streamrl.logs import stderr_to_run_logs
 from streamrl.orchestrate.learner_group import LearnerGroup
 from streamrl.orchestrate.placement import Placement, check_shared_dir
 from streamrl.orchestrate.redis_watch import RedisWatch
-from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for, grant_prompts
+from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for, grant_prompts, reset_budgets
 from streamrl.weights import Publisher
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ class Cluster:
         self._start_redis()
         self.redis_client = connect_for(config.queue, self.redis_url, self.redis_password)
         self.keys = QueueKeys(config.run.name)
-        # Sync budgets left by an earlier run of this job are void: each step grants its own.
-        self.redis_client.delete(self.keys.sync_budget)
+        reset_budgets(self.redis_client, self.keys)  # an earlier run's sync budgets are void (see the module)
         if config.cluster.nodes > 1:
             check_shared_dir(config.cluster.shared_dir, config.cluster.placement_timeout_s)
         self.placement = Placement.reserve(config)

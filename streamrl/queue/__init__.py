@@ -20,5 +20,6 @@ __all__, __getattr__ = exports(
         "ahead_of": "admission",
         "SyncBudget": "sync_budget",
         "grant_prompts": "sync_budget",
+        "reset_budgets": "sync_budget",
     },
 )

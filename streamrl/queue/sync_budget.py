@@ -15,6 +15,10 @@ Contract
   (`streamrl.rollout.prompt_cursor`), starts again without budget every prompt up to the last one its predecessor
   started (their groups that did reach the stream are refused there as duplicates), then spends what the predecessor
   had left: every prompt of the step is started once more, none twice.
+- `reset_budgets(client, keys)` (the job's start): budgets and last prompts of an earlier run of the job are void. Its
+  engines then resume their prompt streams and spend the first step's budget on them, including the prompts whose
+  groups reached the stream before the crash (refused there as duplicates, while those groups count for the step),
+  so a resumed step still gets its groups exactly once and none is left over for the next.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ return 1
 
 def grant_prompts(client: redis.Redis, keys: QueueKeys, engine_id: str, count: int) -> None:
     client.hincrby(keys.sync_budget, engine_id, count)
+
+
+def reset_budgets(client: redis.Redis, keys: QueueKeys) -> None:
+    client.delete(keys.sync_budget, keys.sync_last_taken)
 
 
 def _order(position: dict[str, int]) -> tuple[int, int]:

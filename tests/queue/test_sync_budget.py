@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-from streamrl.queue import SyncBudget, grant_prompts
+from streamrl.queue import SyncBudget, grant_prompts, reset_budgets
 from streamrl.queue.client import connect
 
 
@@ -48,3 +48,12 @@ def test_a_replacement_takes_its_predecessors_prompts_again_without_budget(redis
     assert not replacement.retaking(_position(3))
     assert all(replacement.take(0, _position(i)) for i in range(3)) and replacement.left() == 1
     assert replacement.take(0, _position(3)) and not replacement.take(0, _position(4))
+
+
+def test_a_new_run_of_the_job_starts_with_no_budget_and_nothing_to_take_again(redis_server, queue_keys) -> None:
+    client = connect(redis_server.url, redis_server.password)
+    grant_prompts(client, queue_keys, "engine-0", 4)
+    assert SyncBudget(client, queue_keys, "engine-0").take(0, _position(0))  # then the whole job crashes
+    reset_budgets(client, queue_keys)
+    engine = SyncBudget(client, queue_keys, "engine-0")
+    assert engine.left() == 0 and not engine.retaking(_position(0))  # its resumed prompts spend the new grant
