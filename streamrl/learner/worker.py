@@ -7,7 +7,7 @@ after every rank has stepped does rank 0 commit the step's groups (ack + record 
 tensor by tensor as the buckets are packed: the first rank of every pipeline stage sends its own stage to the
 engines (no funnel through one rank). Checkpoints save and restore the trainer's model and optimizer with the
 policy version. A rank that shares its GPU with an engine (colocated) hands its allocator's cached blocks back to
-the device after each step and publish, and `park()` moves its weights, gradient buffers, reference model and
+the device after each step, and `park()` moves its weights, gradient buffers, reference model and
 optimizer state to host memory while the engine generates (`streamrl.learner.parking`); whatever needs them next
 (a step, a publish, a checkpoint, a parity score) brings them back first.
 """
@@ -107,9 +107,7 @@ class LearnerWorker:
         whole stage (except under `train.publish_lag`)."""
         self._unpark()
         chunks, dtype = self.trainer.chunks, DTYPES[self.config.rollout.dtype]
-        stats = self.publisher.publish(version, stream_hf_weights(chunks, self.hf_config, dtype=dtype))
-        self._give_back_cache()
-        return stats
+        return self.publisher.publish(version, stream_hf_weights(chunks, self.hf_config, dtype=dtype))
 
     def park(self) -> float:
         """Colocated on GPUs: move this rank's training state to host memory for the engine's turn (nothing to do
@@ -123,8 +121,9 @@ class LearnerWorker:
         return time.perf_counter() - start
 
     def _give_back_cache(self) -> None:
-        """Colocated: the step's activations and the publish's gathers are freed; return their cached blocks to the
-        GPU, where the engine sharing it wakes next (the allocator would otherwise keep them from it)."""
+        """Colocated: the step's activations are freed; return their cached blocks to the GPU, where the engine sharing
+        it wakes its weights for the publish (the allocator would otherwise keep them from it; `park()` does the same
+        for what the publish gathered)."""
         if self._share_gpu:
             torch.cuda.empty_cache()
 

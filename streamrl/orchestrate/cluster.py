@@ -268,7 +268,7 @@ class Cluster:
             if self.publisher.stale:  # a replacement samples only under the announced version: send it
                 self.publisher.publish(version)
                 if self.config.colocated:  # the publish brought the learner's state back to its GPUs
-                    self.learner_group.call("park", (), "learner park")
+                    self.park_learners()
             try:
                 done = self.get([e.step_done.remote() for e in self.engines], timeout, "engines' step groups")
             except ray.exceptions.RayActorError:
@@ -307,12 +307,15 @@ class Cluster:
         the call made again."""
         import ray
 
-        timeout = self.config.train.publish_timeout_s
+        def call() -> list[Any]:
+            refs = [getattr(engine, method).remote(*args) for engine in self.engines]
+            return self.get(refs, self.config.train.publish_timeout_s, what)
+
         try:
-            return self.get([getattr(e, method).remote(*args) for e in self.engines], timeout, what)
+            return call()
         except ray.exceptions.RayActorError:
             self.replace_dead_engines()
-            return self.get([getattr(e, method).remote(*args) for e in self.engines], timeout, what)
+            return call()
 
     def engine_stats(self) -> dict[str, float]:
         """Every engine's counters merged; an engine that died since the step began is replaced first (its
