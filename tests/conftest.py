@@ -1,8 +1,11 @@
-"""Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one."""
+"""Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; and, for a
+failed end-to-end test, the errors its actors wrote to the run's logs, at the end of the output (an actor that died
+says why only there)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,3 +62,39 @@ def queue_keys():
     from streamrl.queue.stream import QueueKeys
 
     return QueueKeys(f"test-{uuid.uuid4().hex[:8]}")
+
+
+_ERROR_LINE = re.compile(r"Traceback|Error|error:|ending so that|Fatal|Segmentation|core dumped")
+_failed_run_logs: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and tmp_path is not None:
+        errors = _run_log_errors(Path(tmp_path))
+        if errors:
+            _failed_run_logs.append(f"{item.nodeid}\n{errors}")
+
+
+def _run_log_errors(tmp_path: Path, context: int = 12, limit: int = 6000) -> str:
+    """The lines around each error in the actors' logs under `tmp_path` (RUN_DIR/logs/*.log), newest last."""
+    parts = []
+    for log in sorted(tmp_path.rglob("logs/*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        hits = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
+        if hits:
+            start = max(0, hits[0] - 2)
+            parts.append(
+                f"--- {log.relative_to(tmp_path)} (line {start + 1} on)\n"
+                + "\n".join(lines[start : hits[-1] + context])
+            )
+    return "\n".join(parts)[-limit:]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for text in _failed_run_logs:
+        terminalreporter.write_sep("=", "errors in the failed test's run logs")
+        terminalreporter.write_line(text)
