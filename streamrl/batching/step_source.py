@@ -213,34 +213,58 @@ class StepSource:
         metrics["rollout_corr/versions_spanned_3plus"] = float(np.mean(spans >= 3)) if len(spans) else 0.0
         return metrics
 
+    def step_ready(self, learner_version: int) -> bool:
+        """Rank 0 (True elsewhere), sync mode: whether the groups in the stream now complete the next step, admitting
+        them as `next_step` would (refused groups are dropped, and their engines granted one more prompt each)
+        without waiting. The driver asks between the engines' polls, so that it, not the learner's wait, sees an
+        engine lost while it samples the replacements of refused groups."""
+        if self.consumer is None or self._replay:
+            return True
+        if self._step_size(learner_version) is not None:
+            return True
+        self._read_more(None)
+        return self._step_size(learner_version) is not None
+
     def _admit(self, learner_version: int) -> list[ConsumedGroup]:
-        """Rank 0: whole groups in arrival order until the step is complete (bounded wait). Held groups age too, so
-        the staleness rule is re-applied on every pass."""
-        assert self.consumer is not None
-        batching, queue = self.config.batching, self.config.queue
+        """Rank 0: whole groups in arrival order until the step is complete (bounded wait)."""
+        queue = self.config.queue
         deadline = time.monotonic() + queue.wait_timeout_s
-        while True:
-            self._held, stale = split_by_staleness(self._held, learner_version, queue.max_staleness)
-            self._drop("stale", stale, learner_version)
-            self.dropped_stale += len(stale)
-            if batching.drop_constant_groups:  # DAPO's dynamic sampling: no reward variance, no gradient
-                constant = [c for c in self._held if np.all(c.group.rewards == c.group.rewards[0])]
-                self._held = [c for c in self._held if not np.all(c.group.rewards == c.group.rewards[0])]
-                self._drop("constant", constant, learner_version)
-                self.dropped_constant += len(constant)
-            groups = [c.group for c in self._held]
-            # Every data-parallel rank needs at least one sequence.
-            size = take_step(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
-            if size is not None:
-                step, self._held = self._held[:size], self._held[size:]
-                return step
+        while (size := self._step_size(learner_version)) is None:
             if time.monotonic() > deadline:
+                groups = [c.group for c in self._held]
                 raise TimeoutError(
                     f"learner: {len(groups)} groups ({sum(g.num_tokens for g in groups)} tokens) "
                     f"after {queue.wait_timeout_s}s, step incomplete"
                 )
-            want = groups_needed(groups, batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
-            self._held += self.consumer.read(want, queue.read_block_ms)
+            self._read_more(queue.read_block_ms)
+        step, self._held = self._held[:size], self._held[size:]
+        return step
+
+    def _step_size(self, learner_version: int) -> int | None:
+        """Rank 0: refuse the held groups that may not be trained on, then how many leading ones complete the step
+        (None: not yet). Held groups age too, so the staleness rule is re-applied on every pass."""
+        batching, queue = self.config.batching, self.config.queue
+        self._held, stale = split_by_staleness(self._held, learner_version, queue.max_staleness)
+        self._drop("stale", stale, learner_version)
+        self.dropped_stale += len(stale)
+        if batching.drop_constant_groups:  # DAPO's dynamic sampling: no reward variance, no gradient
+            constant = [c for c in self._held if np.all(c.group.rewards == c.group.rewards[0])]
+            self._held = [c for c in self._held if not np.all(c.group.rewards == c.group.rewards[0])]
+            self._drop("constant", constant, learner_version)
+            self.dropped_constant += len(constant)
+        # Every data-parallel rank needs at least one sequence.
+        return take_step(self._groups(), batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
+
+    def _read_more(self, block_ms: int | None) -> None:
+        """Rank 0: read what the held groups lack for a step (`block_ms` None: only what is there now)."""
+        batching = self.config.batching
+        want = groups_needed(
+            self._groups(), batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size
+        )
+        self._held += self.consumer.read(want, block_ms)
+
+    def _groups(self) -> list[TrajectoryGroup]:
+        return [c.group for c in self._held]
 
     def _drop(self, reason: str, dropped: list[ConsumedGroup], learner_version: int) -> None:
         """Rank 0: refuse groups at admission: their ids on record (the journal's drop list), then acked."""

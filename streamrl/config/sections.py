@@ -100,11 +100,6 @@ class Config(_Section):
             )
 
     def _check_sync(self) -> None:
-        if self.colocated and self.batching.drop_constant_groups:
-            raise ValueError(
-                "batching.drop_constant_groups: colocated engines sleep while the learner admits a step, so none can "
-                "sample a group to replace one it refuses; turn it off, or give the engines GPUs of their own"
-            )
         if self.train.publish_every != 1:
             raise ValueError("train.publish_every: sync mode publishes after every step (set it to 1)")
         if self.batching.tokens_per_step is not None:

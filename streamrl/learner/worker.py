@@ -88,6 +88,11 @@ class LearnerWorker:
         metrics |= {"perf/learner_unpark_s": unpark_s} if self._share_gpu else {}
         return metrics | {"train/grad_norm": result.grad_norm, "train/policy_version": self.version}
 
+    def step_ready(self) -> bool:
+        """Sync mode, while the engines sample the step: whether the stream now completes it (`StepSource.step_ready`:
+        rank 0 admits, refusing groups as the step would)."""
+        return self.steps.step_ready(self.version)
+
     # -- publishing -------------------------------------------------------------------------------
     def weight_group_address(self) -> tuple[str, int]:
         """A sender: where engines reach its weight-group store."""

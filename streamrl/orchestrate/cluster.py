@@ -257,9 +257,11 @@ class Cluster:
             grant_prompts(self.redis_client, self.keys, f"engine-{index}", share)
 
     def wait_for_step_groups(self, version: int) -> dict[str, float]:
-        """Sync mode: until every engine has pushed the groups of its budget (bounded by `queue.wait_timeout_s`). An
-        engine that dies meanwhile (or was replaced since the last publish) is replaced and gets `version`, the
-        weights the step starts from, before it starts its predecessor's prompts again; returns the seconds waited."""
+        """Sync mode: until every engine has pushed the groups of its budget and they complete the step (bounded by
+        `queue.wait_timeout_s`): the learner admits them meanwhile, and each group it refuses (constant rewards) is
+        one more prompt for its engine. An engine that dies meanwhile (or was replaced since the last publish) is
+        replaced and gets `version`, the weights the step starts from, before it starts its predecessor's prompts
+        again; returns the seconds waited."""
         import ray
 
         start = time.perf_counter()
@@ -274,7 +276,7 @@ class Cluster:
             except ray.exceptions.RayActorError:
                 self.replace_dead_engines()
                 continue
-            if all(done):
+            if all(done) and all(self.learner_group.call("step_ready", (), "step admission")):
                 return {"perf/generate_wait_s": time.perf_counter() - start}
             if time.perf_counter() - start > timeout:
                 raise TimeoutError(f"sync mode: the engines did not push the step's groups within {timeout}s")

@@ -42,8 +42,9 @@ class TrajectoryConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def read(self, count: int, block_ms: int) -> list[ConsumedGroup]:
-        """Up to `count` groups: own pending first (after a restart), then reclaimed, then new entries."""
+    def read(self, count: int, block_ms: int | None) -> list[ConsumedGroup]:
+        """Up to `count` groups: own pending first (after a restart), then reclaimed, then new entries (waiting up to
+        `block_ms` for the first one; None: only what the stream holds now)."""
         self._read_size = count
         entries: list[_Entry] = []
         if self._own_pending_from is not None:

@@ -17,6 +17,7 @@ from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.net import free_port
 from streamrl.queue import TrajectoryConsumer, TrajectoryProducer
 from streamrl.queue.client import connect
+from streamrl.queue.sync_budget import SyncBudget
 from tests.queue.test_codec import make_group
 
 HF_CONFIG = {
@@ -35,11 +36,12 @@ def one_rank_world():
     destroy_parallel()
 
 
-def _source(redis_server, queue_keys, run_dir: Path, **batching) -> StepSource:
+def _source(redis_server, queue_keys, run_dir: Path, mode: str = "async", **batching) -> StepSource:
     config = build_config(
         {
             "model": {"path": "unused"},
             "run": {"name": queue_keys.prefix, "dir": str(run_dir)},
+            "train": {"mode": mode},
             "batching": {"groups_per_step": 2, **batching},
         }
     )
@@ -71,6 +73,25 @@ def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(
     assert metrics["rollout_corr/token_lag_max"] == 4 - tokens.min()
     spans = [metrics[f"rollout_corr/versions_spanned_{k}"] for k in ("0", "1", "2", "3plus")]
     assert sum(spans) == pytest.approx(1.0) and spans[0] < 1.0
+
+
+def test_sync_admission_refuses_grants_and_answers_without_waiting(
+    one_rank_world, redis_server, queue_keys, tmp_path: Path
+) -> None:
+    """Sync mode: `step_ready` admits what the stream holds now, refusing a constant group and granting its engine one
+    more prompt, and says whether the step is complete; the step then comes without a wait."""
+    client = connect(redis_server.url, redis_server.password)
+    producer = TrajectoryProducer(client, queue_keys, 16, 5.0)
+    producer.push([_constant(make_group([2, 3], seed=0), 0.5), make_group([2, 3], seed=1)])
+    source = _source(redis_server, queue_keys, tmp_path, "sync", drop_constant_groups=True)
+    assert not source.step_ready(learner_version=4)  # make_group stamps versions 0..4
+    assert source.dropped_constant == 1
+    assert SyncBudget(client, queue_keys, "engine-0").left() == 1  # the refused group's engine samples one more
+    producer.push([make_group([3, 2], seed=2)])
+    assert source.step_ready(learner_version=4)
+    step = source.next_step(learner_version=4)
+    assert [g.group_id for g in step.groups] == ["g1", "g2"] and step.wait_s < 0.1
+    source.commit(step, 1)
 
 
 def test_without_dynamic_sampling_constant_groups_train(

@@ -7,6 +7,7 @@ may share the learner's GPUs (colocated): they take turns."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ def test_sync_steps_are_on_policy_and_colocated_engines_take_turns(tmp_path: Pat
         f"train.steps={STEPS}",
         "train.checkpoint_every=0",
         "train.parity_every=1",
+        "batching.drop_constant_groups=true",  # admitted in the engines' turn: refused groups are sampled again
     )
     assert config.colocated and config.weights_device == "cpu"
     train(config, show_progress=False)
@@ -43,8 +45,10 @@ def test_sync_steps_are_on_policy_and_colocated_engines_take_turns(tmp_path: Pat
     assert all(row["rollout_corr/parity_tokens"] > 0 for row in history)
     assert max(row["rollout_corr/parity_abs_max"] for row in history) < 1e-4
     groups = config.batching.groups_per_step
-    # One step's prompts at a time: the engine never runs ahead of the learner.
-    assert [row["rollout/groups_pushed"] for row in history] == [groups * (s + 1) for s in range(STEPS)]
+    # One step's prompts at a time, and one more for each refused group: the engine never runs ahead of the learner.
+    pushed = [groups * (s + 1) + row["queue/dropped_constant"] for s, row in enumerate(history)]
+    assert [row["rollout/groups_pushed"] for row in history] == pushed
+    assert history[-1]["queue/dropped_constant"] > 0
     assert history[-1]["rollout/engine_version"] == history[-1]["rollout/versions_applied"] == STEPS
     assert 0 < history[-1]["rollout/engine_start_s"] < config.rollout.start_timeout_s  # measured and bounded
     # The engine's turn (generate, then sleep) came before each of the learner's, and it woke for each publish.
@@ -55,6 +59,8 @@ def test_sync_steps_are_on_policy_and_colocated_engines_take_turns(tmp_path: Pat
 
 
 def test_an_engine_lost_mid_step_is_replaced_and_the_step_fills_on_policy(tmp_path: Path) -> None:
+    """Step 1 loses an engine within a millisecond of its first prompt; a later step loses the engine sampling the
+    replacement of a group the learner refused (the driver, not the learner's wait, must see it)."""
     config = tiny_config(
         tmp_path,
         "train.mode=sync",
@@ -82,13 +88,47 @@ def test_an_engine_lost_mid_step_is_replaced_and_the_step_fills_on_policy(tmp_pa
         assert replacement["rollout/groups_pushed"] > 0
         steps = [cluster.learner_step(1)]
         cluster.publisher.publish(1)
-        cluster.allow_prompts(groups)
-        cluster.wait_for_step_groups(1)
-        steps.append(cluster.learner_step(2))
+        killer = _GrantKiller(cluster)
+        killer.start()
+        for step in range(2, 6):  # until an engine was granted a prompt (a group of its refused) and lost
+            cluster.allow_prompts(groups)
+            killer.armed.set()
+            cluster.wait_for_step_groups(step - 1)
+            killer.armed.clear()
+            steps.append(cluster.learner_step(step))
+            cluster.publisher.publish(step)
+            if killer.killed is not None:
+                break
+        killer.done.set()
+        assert killer.killed is not None, "no group was refused in 4 steps"
+        assert cluster.engines_restarted == 2
         assert_every_prompt_once(client, config)
-    assert all(step["queue/policy_lag_max"] == 0 for step in steps)  # the replacement sampled under version 0
-    assert steps[-1]["queue/dropped_constant"] > 0  # refused groups were replaced: both steps filled
-    print(f"sync steps with an engine lost: {[round(s['perf/step_time_s'], 2) for s in steps]} s")
+    assert all(step["queue/policy_lag_max"] == 0 for step in steps)  # the replacements sampled under the step's weights
+    assert steps[-1]["queue/dropped_constant"] > 0  # refused groups were replaced: every step filled
+    print(f"sync steps with engines lost: {[round(s['perf/step_time_s'], 2) for s in steps]} s")
+
+
+class _GrantKiller(threading.Thread):
+    """While `armed` (between a step's prompts allowed and its groups in), kills the first engine whose sync budget
+    grows: the learner refused one of its groups and granted it a prompt to sample again."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.armed, self.done, self.killed = cluster, threading.Event(), threading.Event(), None
+
+    def run(self) -> None:
+        client, key = self.cluster.redis_client, self.cluster.keys.sync_budget
+        while not self.done.is_set():
+            if not self.armed.wait(timeout=0.1):
+                continue
+            before = {k: int(v) for k, v in client.hgetall(key).items()}
+            time.sleep(0.001)
+            after = {k: int(v) for k, v in client.hgetall(key).items()}
+            grown = [k.decode() for k, v in after.items() if v > before.get(k, v)]
+            if grown and self.armed.is_set():
+                self.killed = grown[0]
+                ray.kill(self.cluster.engines[int(self.killed.removeprefix("engine-"))])
+                return
 
 
 def test_a_colocated_engine_lost_between_turns_is_replaced_and_samples_under_the_step_weights(tmp_path: Path) -> None:
@@ -124,5 +164,3 @@ def test_sync_mode_settings_are_checked(tmp_path: Path) -> None:
         tiny_config(tmp_path, "train.mode=sync", "train.publish_every=2")
     with pytest.raises(ConfigError, match="queue.max_backlog"):
         tiny_config(tmp_path, "train.mode=sync", "queue.max_backlog=4")
-    with pytest.raises(ConfigError, match="batching.drop_constant_groups: colocated engines sleep"):
-        tiny_config(tmp_path, "train.mode=sync", "cluster.gpus=1", "batching.drop_constant_groups=true")
