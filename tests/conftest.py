@@ -4,7 +4,6 @@ says why only there)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,34 +63,20 @@ def queue_keys():
     return QueueKeys(f"test-{uuid.uuid4().hex[:8]}")
 
 
-_ERROR_LINE = re.compile(r"Traceback|Error|error:|ending so that|Fatal|Segmentation|core dumped")
 _failed_run_logs: list[str] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    from tests.run_logs import errors_in_run_logs
+
     outcome = yield
     report = outcome.get_result()
     tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
     if report.failed and tmp_path is not None:
-        errors = _run_log_errors(Path(tmp_path))
+        errors = errors_in_run_logs(Path(tmp_path))
         if errors:
             _failed_run_logs.append(f"{item.nodeid}\n{errors}")
-
-
-def _run_log_errors(tmp_path: Path, context: int = 12, limit: int = 6000) -> str:
-    """The lines around each error in the actors' logs under `tmp_path` (RUN_DIR/logs/*.log), newest last."""
-    parts = []
-    for log in sorted(tmp_path.rglob("logs/*.log")):
-        lines = log.read_text(errors="replace").splitlines()
-        hits = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
-        if hits:
-            start = max(0, hits[0] - 2)
-            parts.append(
-                f"--- {log.relative_to(tmp_path)} (line {start + 1} on)\n"
-                + "\n".join(lines[start : hits[-1] + context])
-            )
-    return "\n".join(parts)[-limit:]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
