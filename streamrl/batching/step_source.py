@@ -175,9 +175,10 @@ class StepSource:
         if self.journal is not None:
             self.journal.prune(number)
 
-    def metrics(self, step: Step, learner_version: int, step_s: float) -> dict[str, Any]:
+    def metrics(self, step: Step, learner_version: int, step_s: float, waited_s: float = 0.0) -> dict[str, Any]:
         """Rank 0: what a step trained at `learner_version` in `step_s` seconds says about the rollouts (reward,
-        length), the queue (lags, depth, drops) and throughput."""
+        length), the queue (lags, depth, drops) and throughput; `waited_s` of those were spent waiting for its groups
+        before the step was called (the driver's wait)."""
         assert self.consumer is not None
         lags = [learner_version - g.min_version for g in step.groups]
         lengths = [n for g in step.groups for n in g.lengths]
@@ -195,7 +196,7 @@ class StepSource:
             "queue/ahead_of_learner": ahead_of(step.groups, learner_version),
             "queue/dead_lettered": self.consumer.dead_lettered,
             "queue/duplicates_skipped": self.consumer.duplicates_skipped,
-            "queue/wait_s": step.wait_s,
+            "queue/wait_s": step.wait_s + waited_s,
         }
 
     @staticmethod
@@ -213,16 +214,16 @@ class StepSource:
         metrics["rollout_corr/versions_spanned_3plus"] = float(np.mean(spans >= 3)) if len(spans) else 0.0
         return metrics
 
-    def step_ready(self, learner_version: int) -> bool:
-        """Rank 0 (True elsewhere), sync mode: whether the groups in the stream now complete the next step, admitting
-        them as `next_step` would (refused groups are dropped, and their engines granted one more prompt each)
-        without waiting. The driver asks between the engines' polls, so that it, not the learner's wait, sees an
-        engine lost while it samples the replacements of refused groups."""
+    def step_ready(self, learner_version: int, block_ms: int | None = None) -> bool:
+        """Rank 0 (True elsewhere): whether the groups in the stream complete the next step, admitting them as
+        `next_step` would (refused groups are dropped; in sync mode their engines are granted one more prompt each),
+        waiting up to `block_ms` for more (None: not at all). The driver asks until it is, so that it, not the
+        learner's wait inside a step, sees an engine lost while the step's groups are still to come."""
         if self.consumer is None or self._replay:
             return True
         if self._step_size(learner_version) is not None:
             return True
-        self._read_more(None)
+        self._read_more(block_ms)
         return self._step_size(learner_version) is not None
 
     def _admit(self, learner_version: int) -> list[ConsumedGroup]:

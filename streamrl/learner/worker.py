@@ -71,9 +71,10 @@ class LearnerWorker:
         """This rank and the node it runs on (the driver records the placement)."""
         return {"rank": self.rank, **ray_node()}
 
-    def step(self) -> dict[str, float]:
-        """One optimizer step on the next step's groups (every rank); rank 0 commits them and returns the metrics."""
-        start = time.perf_counter()
+    def step(self, waited_s: float = 0.0) -> dict[str, float]:
+        """One optimizer step on the next step's groups (every rank); rank 0 commits them and returns the metrics
+        (`waited_s`: the driver's wait for the groups, before this call, counted in the step's time)."""
+        start = time.perf_counter() - waited_s
         unpark_s = self._unpark()
         step = self.steps.next_step(self.version)
         result = self.trainer.train(step.microbatches, self.version + 1, self.version)
@@ -84,14 +85,14 @@ class LearnerWorker:
             return {}
         self.steps.commit(step, self.version)
         metrics = result.stats.metrics(self.config.loss) | result.metrics | {"train/replayed": float(step.replayed)}
-        metrics |= self.steps.metrics(step, self.version - 1, time.perf_counter() - start)
+        metrics |= self.steps.metrics(step, self.version - 1, time.perf_counter() - start, waited_s)
         metrics |= {"perf/learner_unpark_s": unpark_s} if self._share_gpu else {}
         return metrics | {"train/grad_norm": result.grad_norm, "train/policy_version": self.version}
 
-    def step_ready(self) -> bool:
-        """Sync mode, while the engines sample the step: whether the stream now completes it (`StepSource.step_ready`:
-        rank 0 admits, refusing groups as the step would)."""
-        return self.steps.step_ready(self.version)
+    def step_ready(self, block_ms: int | None = None) -> bool:
+        """Whether the stream now completes the next step (`StepSource.step_ready`: rank 0 admits, refusing groups as
+        the step would, waiting up to `block_ms`); the driver asks before it calls `step`."""
+        return self.steps.step_ready(self.version, block_ms)
 
     # -- publishing -------------------------------------------------------------------------------
     def weight_group_address(self) -> tuple[str, int]:

@@ -13,7 +13,9 @@ dead engine never blocks the learner beyond `train.publish_timeout_s`. With
 `rollout.restart_dead_engines` a replacement starts in its slot; it reads the announced version
 from Redis, sees it lags, and the next publish carries the learner's weights to it. A learner rank that died is
 found by the step that waits on it (`LearnerDied`, `learner_group.py`): `restart_learners` restarts the whole
-learner group from its checkpoint and step journal while the engines keep generating.
+learner group from its checkpoint and step journal while the engines keep generating. The learner is asked to step
+only once the stream completes the step (the driver waits, supervising the engines: an engine lost while every other
+is lost too would otherwise leave the learner waiting for groups nobody samples).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from streamrl.queue import EmbeddedRedis, QueueKeys, connect_for, grant_prompts,
 from streamrl.weights import Publisher
 
 logger = logging.getLogger(__name__)
+
+# The driver's wait for a step's groups: each ask of the learner waits this long for the stream, and between two asks
+# the driver looks for dead engines.
+_ADMISSION_POLL_MS = 200
 
 
 class Cluster:
@@ -234,9 +240,26 @@ class Cluster:
         return self.learner_group.senders if self.learner_group is not None else []
 
     def learner_step(self, step: int) -> dict[str, float]:
-        """Step `step` on every learner rank; rank 0's metrics. A dead rank raises `LearnerDied`."""
+        """Step `step` on every learner rank; rank 0's metrics. Async, the driver first waits until the stream
+        completes the step (`wait_for_step_data`). A dead rank raises `LearnerDied`."""
         self.check_engines()
-        return self.learner_group.step(step)
+        waited = self.wait_for_step_data(step - 1) if self.config.train.mode == "async" else 0.0
+        return self.learner_group.step(step, waited)
+
+    def wait_for_step_data(self, version: int) -> float:
+        """Async: until the stream completes the next step of a learner at `version` (bounded by
+        `queue.wait_timeout_s`); an engine lost meanwhile is replaced and, unless the engines run a newer version
+        (after a learner restart), gets `version`: with every engine lost, nothing else would fill the step. Returns
+        the seconds waited."""
+        start = time.perf_counter()
+        timeout = self.config.queue.wait_timeout_s
+        while not self.learner_group.step_ready(_ADMISSION_POLL_MS):
+            self.check_engines()
+            if self.publisher.stale and version >= int(self.redis_client.get(self.keys.policy_version) or 0):
+                self.publisher.publish(version)
+            if time.perf_counter() - start > timeout:
+                raise TimeoutError(f"learner: the stream did not complete step {version + 1} within {timeout}s")
+        return time.perf_counter() - start
 
     def check_learners(self) -> None:
         """Raise `LearnerDied` if a learner rank is gone (the publisher asks after a failed publish)."""
@@ -276,7 +299,7 @@ class Cluster:
             except ray.exceptions.RayActorError:
                 self.replace_dead_engines()
                 continue
-            if all(done) and all(self.learner_group.call("step_ready", (), "step admission")):
+            if all(done) and self.learner_group.step_ready():
                 return {"perf/generate_wait_s": time.perf_counter() - start}
             if time.perf_counter() - start > timeout:
                 raise TimeoutError(f"sync mode: the engines did not push the step's groups within {timeout}s")

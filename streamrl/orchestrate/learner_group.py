@@ -2,7 +2,8 @@
 
 Contract: `LearnerGroup(config, placement, redis_url, redis_password)`; `start()` creates one `LearnerWorker` actor per
 rank of `learner.world_size` (a fresh rendezvous port each time) and waits until every rank is ready (each loads the
-latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics, `call`
+latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics,
+`step_ready()` asks rank 0 whether the stream completes the next step, `call`
 any other method on every rank; a rank whose actor died raises `LearnerDied` as soon as it is seen (the other ranks
 would wait in a collective until their timeout), and `check()` raises it when a rank is gone. `restart()` kills
 every rank and starts the group again: a learner's state lives in its checkpoint and journal, so the new ranks come
@@ -54,8 +55,14 @@ class LearnerGroup:
         sending = self._get([r.is_sender.remote() for r in self.ranks], 60, "roles")
         self.senders = [r for r, sends in zip(self.ranks, sending, strict=True) if sends]
 
-    def step(self, number: int) -> dict[str, float]:
-        return self.call("step", (), f"step {number}")[0]
+    def step(self, number: int, waited_s: float = 0.0) -> dict[str, float]:
+        return self.call("step", (waited_s,), f"step {number}")[0]
+
+    def step_ready(self, block_ms: int | None = None) -> bool:
+        """Whether the stream completes the next step (rank 0 admits; `LearnerWorker.step_ready`)."""
+        return self._get([self.ranks[0].step_ready.remote(block_ms)], self.config.learner.step_timeout_s, "admission")[
+            0
+        ]
 
     def call(self, method: str, args: tuple, what: str) -> list[Any]:
         """`method(*args)` on every rank, bounded by `learner.step_timeout_s`; a dead rank raises `LearnerDied`."""

@@ -1,8 +1,8 @@
 """Engine faults during a run: an engine that dies while it is a member of the weight group makes the
 next publish fail part-way; that neither hangs the learner nor leaves a half-updated engine, and the
 replacement catches up to the latest version by itself, continuing the dead engine's prompt stream: no prompt
-skipped, none made into two groups. An engine of two GPUs that loses one of its vLLM worker processes is replaced
-the same way."""
+skipped, none made into two groups. Engines lost while the driver waits for a step's groups are replaced by it. An
+engine of two GPUs that loses one of its vLLM worker processes is replaced the same way."""
 
 import multiprocessing
 import os
@@ -55,6 +55,20 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
         # An engine that dies between a step and the driver's stats poll is replaced there, not a crash.
         ray.kill(cluster.engines[0])
         assert cluster.engine_stats()["rollout/engines_restarted"] == 2
+        # Every engine lost (a node gone), and the learner trains the groups left in the stream until it lacks a
+        # step's: only the driver's wait can replace the engines, and it gives the replacements the learner's weights.
+        for engine in cluster.engines:
+            ray.kill(engine)
+        ray.wait(cluster.engine_loops, num_returns=len(cluster.engines), timeout=60)
+        version = 3
+        while cluster.learner_group.step_ready():  # what the dead engines left: trained without the driver's checks
+            version += 1
+            cluster.learner_group.step(version)
+        waited = cluster.wait_for_step_data(version)
+        assert cluster.engines_restarted == 4 and 0 < waited < config.queue.wait_timeout_s
+        assert ray.get([e.policy_version.remote() for e in cluster.engines], timeout=30) == [version, version]
+        cluster.learner_step(version + 1)  # and training goes on
+        assert_every_prompt_once(cluster.redis_client, config)
 
 
 def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -> None:
