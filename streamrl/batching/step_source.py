@@ -1,21 +1,21 @@
 """The step source: where a learner rank gets its share of the next optimizer step.
 
-Contract: every learner rank calls `next_step()` once per step, in the same order. Rank 0 (the only one holding a
-queue consumer) admits groups from the stream in arrival order until the step is complete (`compose.take_step`),
-dropping and counting groups whose oldest token is more than `queue.max_staleness` versions behind and, with
-`batching.drop_constant_groups`, groups whose rewards are all equal (admission; the engines keep producing, so the
-step fills with groups that carry a signal; the dropped ids are recorded in the journal's drop list before the acks),
-and
-broadcasts their wire bytes to every rank (no pickle between ranks either: docs/DESIGN.md, invariant 5). Every rank
-then plans the whole step deterministically and collates only its own micro-batches (`microbatch.plan_rank`).
-Groups read beyond the step (a token budget can overshoot) are held for the next step; they stay pending in Redis
-until the step that uses them commits. `commit(step, number)` (rank 0, after every rank has stepped) writes the step to
-the step journal (`step_journal.py`), then acks the step's groups and records their ids in one script call, then
-adds it to the ledger of trained groups; `checkpointed(number)` prunes the journal once a checkpoint holds the step
-(the checkpoint plus the journal are the commit unit: invariant 2). `resume(completed)`, called once on every rank
-at start-up with the checkpoint's step (0 without one), makes rank 0 hand out the journaled steps after it first,
-exactly as they were (`Step.replayed`), before reading the queue again. Waits are bounded by
-`queue.wait_timeout_s` (invariant 4).
+Contract: the driver asks rank 0 `step_ready()` until the stream completes the next step (admission without waiting
+in the step: it supervises the engines between two asks); every learner rank then calls `next_step()` once per step,
+in the same order. Rank 0 (the only one holding a queue consumer) admits groups from the stream in arrival order
+until the step is complete (`compose.take_step`), dropping and counting groups whose oldest token is more than
+`queue.max_staleness` versions behind and, with `batching.drop_constant_groups`, groups whose rewards are all equal
+(admission; the engines keep producing, so the step fills with groups that carry a signal; the dropped ids are
+recorded in the journal's drop list before the acks), and broadcasts their wire bytes to every rank (no pickle
+between ranks either: docs/DESIGN.md, invariant 5). Every rank then plans the whole step deterministically and
+collates only its own micro-batches (`microbatch.plan_rank`). Groups read beyond the step (a token budget can
+overshoot) are held for the next step; they stay pending in Redis until the step that uses them commits.
+`commit(step, number)` (rank 0, after every rank has stepped) writes the step to the step journal
+(`step_journal.py`), then acks the step's groups and records their ids in one script call, then adds it to the
+ledger of trained groups; `checkpointed(number)` prunes the journal once a checkpoint holds the step (the checkpoint
+plus the journal are the commit unit: invariant 2). `resume(completed)`, called once on every rank at start-up with
+the checkpoint's step (0 without one), makes rank 0 hand out the journaled steps after it first, exactly as they
+were (`Step.replayed`), before reading the queue again. Waits are bounded by `queue.wait_timeout_s` (invariant 4).
 
 The broadcast runs on the learner's default process group: its tensors live on `device` (CUDA under NCCL, CPU under
 gloo), since NCCL has no CPU transport.
