@@ -258,6 +258,7 @@ class StepSource:
 
     def _read_more(self, block_ms: int | None) -> None:
         """Rank 0: read what the held groups lack for a step (`block_ms` None: only what is there now)."""
+        assert self.consumer is not None
         batching = self.config.batching
         want = groups_needed(
             self._groups(), batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size

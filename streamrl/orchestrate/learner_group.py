@@ -1,14 +1,14 @@
 """The learner ranks as one group: started together, stepped together, restarted together when one dies.
 
-Contract: `LearnerGroup(config, placement, redis_url, redis_password)`; `start()` creates one `LearnerWorker` actor per
-rank of `learner.world_size` (a fresh rendezvous port each time) and waits until every rank is ready (each loads the
-latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics,
-`step_ready()` asks rank 0 whether the stream completes the next step, `call`
-any other method on every rank; a rank whose actor died raises `LearnerDied` as soon as it is seen (the other ranks
-would wait in a collective until their timeout), and `check()` raises it when a rank is gone. `restart()` kills
-every rank and starts the group again: a learner's state lives in its checkpoint and journal, so the new ranks come
-back to where the old ones were while the engines keep generating into the queue (bounded by its backlog). It is
-counted; past `learner.max_restarts` it raises with the reason instead.
+Contract: `LearnerGroup(config, placement, redis_url, redis_password)`; `start()` creates one `LearnerWorker` actor
+per rank of `learner.world_size` (a fresh rendezvous port each time) and waits until every rank is ready (each loads
+the latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics,
+`step_ready()` asks rank 0 whether the stream completes the next step, `call` any other method on every rank; a rank
+whose actor died raises `LearnerDied` as soon as it is seen (the other ranks would wait in a collective until their
+timeout), and `check()` raises it when a rank is gone. `restart()` kills every rank and starts the group again: a
+learner's state lives in its checkpoint and journal, so the new ranks come back to where the old ones were while the
+engines keep generating into the queue (bounded by its backlog). It is counted; past `learner.max_restarts` it
+raises with the reason instead.
 """
 
 from __future__ import annotations
