@@ -1,14 +1,14 @@
 """The learner ranks as one group: started together, stepped together, restarted together when one dies.
 
 Contract: `LearnerGroup(config, placement, redis_url, redis_password)`; `start()` creates one `LearnerWorker` actor
-per rank of `learner.world_size` (a fresh rendezvous port each time) and waits until every rank is ready (each loads
-the latest checkpoint and its step journal). `step(n)` runs step n on every rank and returns rank 0's metrics,
-`step_ready()` asks rank 0 whether the stream completes the next step, `call` any other method on every rank; a rank
-whose actor died raises `LearnerDied` as soon as it is seen (the other ranks would wait in a collective until their
-timeout), and `check()` raises it when a rank is gone. `restart()` kills every rank and starts the group again: a
-learner's state lives in its checkpoint and journal, so the new ranks come back to where the old ones were while the
-engines keep generating into the queue (bounded by its backlog). It is counted; past `learner.max_restarts` it
-raises with the reason instead.
+per rank of `learner.world_size` (a fresh rendezvous port each time; again on another if it was taken meanwhile) and
+waits until every rank is ready (each loads the latest checkpoint and its step journal). `step(n)` runs step n on
+every rank and returns rank 0's metrics, `step_ready()` asks rank 0 whether the stream completes the next step,
+`call` any other method on every rank; a rank whose actor died raises `LearnerDied` as soon as it is seen (the other
+ranks would wait in a collective until their timeout), and `check()` raises it when a rank is gone. `restart()`
+kills every rank and starts the group again: a learner's state lives in its checkpoint and journal, so the new ranks
+come back to where the old ones were while the engines keep generating into the queue (bounded by its backlog). It
+is counted; past `learner.max_restarts` it raises with the reason instead.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from streamrl.config import Config
 from streamrl.orchestrate.placement import Placement
 
 logger = logging.getLogger(__name__)
+
+_RENDEZVOUS_TRIES = 3  # starts of the ranks on a fresh rendezvous port each (see `LearnerGroup.start`)
 
 
 class LearnerDied(RuntimeError):
@@ -37,14 +39,36 @@ class LearnerGroup:
         self.ready: list[dict[str, Any]] = []
 
     def start(self) -> None:
+        """Start every rank. A rendezvous port picked free can be taken by another process before rank 0 listens on it
+        (EADDRINUSE): the ranks start again on another (`_RENDEZVOUS_TRIES` in all); a port the config names is an
+        error that names it."""
+        configured = self.config.learner.master_port if not self.restarts else 0  # a restart: the old may linger
+        for attempt in range(1, _RENDEZVOUS_TRIES + 1):
+            try:
+                self._start_ranks(configured)
+                return
+            except LearnerDied as exc:
+                if "EADDRINUSE" not in str(exc):
+                    raise
+                self.kill()
+                if configured:
+                    raise RuntimeError(
+                        f"learner.master_port: {configured} is in use on rank 0's node; name a free port, or 0 to let "
+                        "streamrl pick one"
+                    ) from exc
+                if attempt == _RENDEZVOUS_TRIES:
+                    raise
+                logger.warning("learner group: its rendezvous port was taken before rank 0 listened; another port")
+
+    def _start_ranks(self, port: int) -> None:
+        """Create the ranks (rendezvous at `port` on rank 0's node, or a free port there when 0) and wait for them."""
         import ray
 
         from streamrl.learner import LearnerWorker
 
         learner_cls = ray.remote(LearnerWorker)
-        host, port = self.placement.rendezvous()
-        if self.config.learner.master_port and not self.restarts:  # a restart takes a fresh port: the old may linger
-            port = self.config.learner.master_port
+        host, free = self.placement.rendezvous()
+        port = port or free
         self.ranks = [
             learner_cls.options(**self.placement.learner_options(r)).remote(
                 self.config, r, host, port, self.redis_url, self.redis_password

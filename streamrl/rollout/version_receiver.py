@@ -87,8 +87,8 @@ class VersionReceiver:
         future: Future[int] = Future()
         with self._pending_lock:
             self._pending = (version, tensors, future)
-        if not self.loop_running.is_set():
-            self.apply_pending()
+        if not self.loop_running.is_set():  # no loop to apply it (yet): here, unless the loop has started since
+            self.on_loop(self.apply_pending, timeout)
         return future.result(timeout=timeout)
 
     def draining(self) -> bool:

