@@ -232,7 +232,7 @@ class StepSource:
         deadline = time.monotonic() + queue.wait_timeout_s
         while (size := self._step_size(learner_version)) is None:
             if time.monotonic() > deadline:
-                groups = [c.group for c in self._held]
+                groups = self._groups()
                 raise TimeoutError(
                     f"learner: {len(groups)} groups ({sum(g.num_tokens for g in groups)} tokens) "
                     f"after {queue.wait_timeout_s}s, step incomplete"

@@ -255,8 +255,7 @@ class Cluster:
         timeout = self.config.queue.wait_timeout_s
         while not self.learner_group.step_ready(_ADMISSION_POLL_MS):
             self.check_engines()
-            if self.publisher.stale and version >= int(self.redis_client.get(self.keys.policy_version) or 0):
-                self.publisher.publish(version)
+            self._bring_replacements_to(version)
             if time.perf_counter() - start > timeout:
                 raise TimeoutError(f"learner: the stream did not complete step {version + 1} within {timeout}s")
         return time.perf_counter() - start
@@ -290,10 +289,7 @@ class Cluster:
         start = time.perf_counter()
         timeout = self.config.queue.wait_timeout_s
         while True:
-            if self.publisher.stale:  # a replacement samples only under the announced version: send it
-                self.publisher.publish(version)
-                if self.config.colocated:  # the publish brought the learner's state back to its GPUs
-                    self.park_learners()
+            self._bring_replacements_to(version)  # a replacement samples only under the announced version
             try:
                 done = self.get([e.step_done.remote() for e in self.engines], timeout, "engines' step groups")
             except ray.exceptions.RayActorError:
@@ -304,6 +300,16 @@ class Cluster:
             if time.perf_counter() - start > timeout:
                 raise TimeoutError(f"sync mode: the engines did not push the step's groups within {timeout}s")
             time.sleep(0.05)
+
+    def _bring_replacements_to(self, version: int) -> None:
+        """While the driver waits for a step's groups: engines replaced since the last publish (new weight groups due)
+        get `version`, the learner's weights, unless the engines run a newer one (after a learner restart, until it
+        is past them). Colocated, the learner's state goes back to the host after the publish."""
+        if not self.publisher.stale or version < int(self.redis_client.get(self.keys.policy_version) or 0):
+            return
+        self.publisher.publish(version)
+        if self.config.colocated:  # the publish brought the learner's state back to its GPUs
+            self.park_learners()
 
     def sleep_engines(self) -> dict[str, float]:
         """Colocated, once the step's groups are pushed: the engines free their GPUs for the learner; returns the

@@ -84,9 +84,9 @@ class LearnerGroup:
 
     def step_ready(self, block_ms: int | None = None) -> bool:
         """Whether the stream completes the next step (rank 0 admits; `LearnerWorker.step_ready`)."""
-        return self._get([self.ranks[0].step_ready.remote(block_ms)], self.config.learner.step_timeout_s, "admission")[
-            0
-        ]
+        timeout = self.config.learner.step_timeout_s
+        (ready,) = self._get([self.ranks[0].step_ready.remote(block_ms)], timeout, "admission")
+        return ready
 
     def call(self, method: str, args: tuple, what: str) -> list[Any]:
         """`method(*args)` on every rank, bounded by `learner.step_timeout_s`; a dead rank raises `LearnerDied`."""
