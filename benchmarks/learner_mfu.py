@@ -3,6 +3,7 @@
 Run on a GPU machine (megatron-core importable):
     python benchmarks/learner_mfu.py --shape qwen3-8b --layers 16
     python benchmarks/learner_mfu.py --shape qwen3-30b-a3b --layers 12 --tokens-per-microbatch 32768 --profile
+    python benchmarks/learner_mfu.py --shape qwen3-medium --groups 32 --mean-len 24 --max-len 128 --prompt-len 32
 
 It builds a Megatron GPTModel of the `--shape` (bf16 parameters, `--layers` of the real model's 36 / 48) with our
 packed-sequence attention (and, for the MoE shape, our grouped-GEMM experts), makes trajectory groups with
@@ -35,6 +36,17 @@ import numpy as np
 import torch
 
 SHAPES = {  # HF config fields of the released models, less the layer count
+    # the end-to-end GPU configs' ~0.2B model (`streamrl.models.tiny`, preset medium: 16 layers, 64-token vocabulary)
+    "qwen3-medium": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=3072,
+        vocab_size=64,
+    ),
     "qwen3-8b": dict(
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",
@@ -137,7 +149,7 @@ def make_groups(args: argparse.Namespace, vocab: int) -> list:
     rng = np.random.default_rng(0)
     groups = []
     for g in range(args.groups):
-        prompt = rng.integers(0, vocab, 256).astype(np.int32)
+        prompt = rng.integers(0, vocab, args.prompt_len).astype(np.int32)
         lengths = np.clip(rng.lognormal(np.log(args.mean_len), 0.8, args.n), 16, args.max_len).astype(int)
         trajs = tuple(
             Trajectory(
@@ -161,6 +173,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="responses per group")
     parser.add_argument("--mean-len", type=int, default=1500)
     parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--tokens-per-microbatch", type=int, default=16384, help="the planner's micro-batch budget")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--profile", action="store_true", help="print one step's top GPU kernels")

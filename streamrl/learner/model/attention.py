@@ -3,14 +3,17 @@
 Contract: `PackedSequenceAttention` plugs into a Megatron layer spec as `core_attention` (same constructor and
 `forward` signature as `megatron.core.transformer.dot_product_attention.DotProductAttention`) and computes causal
 softmax attention with grouped-query heads through `torch.nn.functional.scaled_dot_product_attention` on CPU and
-GPU alike (one call per sequence: on an H200, PyTorch's variable-length flash kernel over the whole packed row
-and cuDNN's ragged attention both ran slower than cuDNN's attention sequence by sequence).
+GPU alike (on an H200, PyTorch's variable-length flash kernel over the whole packed row and cuDNN's ragged
+attention both ran slower than cuDNN's attention on the sequences themselves).
 
 - Packed (`packed_seq_params.qkv_format == 'thd'`): query `[T, heads, d]`, key/value `[T, kv_heads, d]` hold
   the concatenated sequences whose boundaries are `packed_seq_params.cu_seqlens_q` (int32[n+1], kept on the
   host so reading the boundaries never waits on the device). Each sequence attends causally to itself only;
-  the result is `[T, heads * d]`. RoPE restarting at 0 per sequence is Megatron's part: `SelfAttention`
-  applies it per `cu_seqlens` segment before calling this module.
+  the result is `[T, heads * d]`. Sequences of similar length share one SDPA call as a right-padded batch
+  (`attention_buckets`): under a causal mask a real query never sees a padding key, and padding queries are
+  dropped, so the result is each sequence's own attention, while a micro-batch of hundreds of short RL responses
+  costs a few calls instead of one per sequence. RoPE restarting at 0 per sequence is Megatron's part:
+  `SelfAttention` applies it per `cu_seqlens` segment before calling this module.
 - Packed under context parallelism (CP group of c > 1 ranks, `streamrl.learner.context_parallel`): each rank holds
   the zigzag shard of every sequence (`T / c` rows) and `cu_seqlens_q` are the padded *global* boundaries (every
   length a multiple of 2c), as Megatron's packed RoPE expects. Keys and values are all-gathered over the CP group
@@ -25,6 +28,10 @@ Dropout is not supported (RL log-probs must be deterministic functions of the we
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -36,6 +43,51 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
 from streamrl.learner.context_parallel import gathered_rows
+
+# A sequence joins the bucket of longer ones while the bucket's padded score area (sequences x longest^2) stays
+# within PAD_SLACK x its sequences' own areas plus FREE_AREA: padding then costs at most a quarter more attention
+# work, and a square of 512 x 512 scores costs a GPU about what one more SDPA call's launch and autograd cost the
+# host (forward and backward), so buckets of short sequences are not split for padding that costs nothing.
+PAD_SLACK = 1.25
+FREE_AREA = 512 * 512
+
+
+def attention_buckets(lengths: Sequence[int]) -> list[list[int]]:
+    """Indices of the sequences that share one padded SDPA call, each bucket longest first, buckets longest first
+    (greedy over the sequences sorted by length; see PAD_SLACK)."""
+    buckets: list[list[int]] = []
+    area = 0
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        own = lengths[index] ** 2
+        if buckets and (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] ** 2 <= PAD_SLACK * (area + own) + FREE_AREA:
+            buckets[-1].append(index)
+            area += own
+        else:
+            buckets.append([index])
+            area = own
+    return buckets
+
+
+@functools.lru_cache(maxsize=8)  # every layer of a micro-batch asks for the same boundaries
+def _padded_plan(
+    bounds: tuple[int, ...], device: torch.device
+) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+    """For packed boundaries: each bucket's (sequences, padded length), the packed rows that fill the buckets'
+    padded batches one after another (a padding slot repeats its sequence's first row), and for each packed row
+    its place among those padded rows."""
+    starts, lengths = bounds[:-1], [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    shapes, rows, back = [], [], np.empty(bounds[-1], np.int64)
+    offset = 0
+    for bucket in attention_buckets(lengths):
+        longest = lengths[bucket[0]]
+        slots = np.arange(longest)
+        for index in bucket:
+            rows.append(starts[index] + np.where(slots < lengths[index], slots, 0))
+            back[starts[index] : starts[index] + lengths[index]] = offset + slots[: lengths[index]]
+            offset += longest
+        shapes.append((len(bucket), longest))
+    as_index = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
+    return shapes, as_index(np.concatenate(rows)), as_index(back)
 
 
 class PackedSequenceAttention(MegatronModule):
@@ -117,15 +169,19 @@ class PackedSequenceAttention(MegatronModule):
         bounds = cu_seqlens.tolist()
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens: must run from 0 to the packed length {query.shape[0]}, got {bounds}")
-        # One SDPA call per sequence: exact, O(sum L^2) memory, and the fused kernels apply on GPU. `split`, not
-        # slicing: its backward is one `cat` of the gradients, where each slice's would be a zero-filled full-size
-        # tensor, all of them summed.
-        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+        # One gather of the buckets' padded rows and one `split` into buckets (the backward: one scatter-add and
+        # one `cat`, where a gather or slice per bucket would each add a zero-filled full-size gradient), one SDPA
+        # call per bucket, one gather of the real rows back.
+        shapes, rows, back = _padded_plan(tuple(bounds), query.device)
+        sizes = [count * longest for count, longest in shapes]
+        padded = [t.split(sizes) for t in (query[rows], key[rows], value[rows])]
         outputs = [
-            self._attend(*(t.transpose(0, 1)[None] for t in qkv), is_causal=True)[0].transpose(0, 1)
-            for qkv in zip(*(t.split(lengths) for t in (query, key, value)), strict=True)
+            self._attend(*(t.view(count, longest, *t.shape[1:]).transpose(1, 2) for t in qkv), is_causal=True)
+            .transpose(1, 2)
+            .reshape(count * longest, -1)
+            for (count, longest), qkv in zip(shapes, zip(*padded, strict=True), strict=True)
         ]
-        return torch.cat(outputs).reshape(query.shape[0], -1)
+        return torch.cat(outputs)[back]
 
     def _context_parallel(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor

@@ -1,7 +1,8 @@
 """Packed-sequence attention equals attention on each sequence alone (module, and full GPTModel vs HF per sequence).
 
 Module level: `PackedSequenceAttention` on a packed [T, heads, d] input (GQA) against a plain softmax reference run
-on each sequence separately, and its unpacked path against the same reference; on a GPU (marked `gpu`) the packed
+on each sequence separately (also with sequences in several padded buckets, output and gradients; the bucket plan's
+bound on padding), and its unpacked path against the same reference; on a GPU (marked `gpu`) the packed
 path in bf16 with the Qwen3-30B-A3B heads against the same reference in float64, output and gradients. Model level
 (TP=1; TP=2 is in test_packing.py): the log-probs of a packed micro-batch from `plan_step` against HF transformers
 run on each sequence separately, within 1e-5.
@@ -23,7 +24,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from streamrl.batching.microbatch import plan_step
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
-from streamrl.learner.model.attention import PackedSequenceAttention
+from streamrl.learner.model.attention import FREE_AREA, PAD_SLACK, PackedSequenceAttention, attention_buckets
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import microbatch_logprobs, token_logprobs
 from tests.queue.test_codec import make_group
@@ -77,6 +78,33 @@ def test_packed_attention_equals_each_sequence_alone() -> None:
     for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
         expected = _reference(q[start:end], k[start:end], v[start:end])
         assert (out[start:end] - expected).abs().max().item() < 1e-5
+
+
+def test_buckets_hold_every_sequence_once_and_bound_their_padding() -> None:
+    lengths = [700, 40, 650, 3, 1, 600, 90, 2048, 17, 17, 17, 1900]
+    buckets = attention_buckets(lengths)
+    assert sorted(i for bucket in buckets for i in bucket) == list(range(len(lengths)))
+    for bucket in buckets:
+        own = [lengths[i] for i in bucket]
+        assert own == sorted(own, reverse=True)
+        assert len(own) * own[0] ** 2 <= PAD_SLACK * sum(n * n for n in own) + FREE_AREA
+    assert [[lengths[i] for i in b] for b in buckets] == [[2048, 1900], [700, 650, 600], [90, 40, 17, 17, 17, 3, 1]]
+    assert attention_buckets([64] * 300) == [list(range(300))]  # short responses: one call
+
+
+def test_sequences_in_several_padded_buckets_attend_as_alone_output_and_gradients() -> None:
+    lengths = [700, 40, 650, 3, 1, 600, 90]  # two buckets: 700/650/600 and 90/40/3/1, both with padding
+    assert len(attention_buckets(lengths)) == 2
+    leaves = [t.requires_grad_() for t in _qkv(sum(lengths))]
+    out = _attention()(*leaves, None, packed_seq_params=_packed_params(lengths))
+    cotangent = torch.randn_like(out)
+    grads = torch.autograd.grad((out * cotangent).sum(), leaves)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    expected = torch.cat([_reference(*(t[start:end] for t in exact)) for start, end in itertools.pairwise(bounds)])
+    expected_grads = torch.autograd.grad((expected * cotangent.double()).sum(), exact)
+    for result, reference in zip([out, *grads], [expected, *expected_grads], strict=True):
+        assert (result.double() - reference).abs().max().item() < 1e-5
 
 
 def test_unpacked_attention_is_causal_per_row() -> None:
