@@ -7,20 +7,24 @@ those in the stream (pushed and not yet trained or dropped: the stream's length,
 entries) and those the engines started and have not pushed yet (generating, being scored, in an outbox: each engine's
 count, in the run's Redis hash `in_flight`). With G groups a step (`batching.groups_per_step`) and the learner's weights
 at version v, the k-th group in the system (counting from 0) is trained by the step whose weights are v + k // G, so
-its lag is v + k // G − v_e. `StalenessGate.room(engine_version)` is how many groups may start now so that none of
-them exceeds S (`queue.max_staleness`):
+its lag is v + k // G − v_e. The room is how many groups may start now so that none of them exceeds S
+(`queue.max_staleness`):
 
     room = (S + 1 − (v − v_e)) × G − in_system,   v = the learner's version
 
 (the learner writes it before each step's groups leave the stream; at least the announced version +
 train.publish_every − 1, as the learner may be that many steps past the last version it published), with at least one
 step's worth (G) allowed in
-the system whatever the versions, so that the learner can always make its next step and publish. An engine reports its
-own count with `report(in_flight)` whenever it starts or pushes groups; `StalenessGate(...)` reports 0 at once, so the
-groups a dead predecessor had in flight (they are sampled again) stop counting. Approximate under races: engines read
-each other's counts a round trip late, and a group that finishes far behind the ones started after it is trained
-later than its place says; the learner's admission rule still drops a group past the bound (`queue/dropped_stale`).
-Sync mode does not use it: there the driver hands out each step's prompts.
+the system whatever the versions, so that the learner can always make its next step and publish.
+`reserve(engine_version, in_flight, wanted)` sets the engine's count to its `in_flight` groups, computes the room and
+adds the groups it grants (at most `wanted`) to the engine's count, in one script: engines asking at once share the
+room instead of each taking all of it (two engines that read the room and then reported their starts both filled it:
+on 4 GPUs a third of the groups came out past the bound and were dropped). An engine reports its own count with
+`report(in_flight)` whenever it starts or pushes groups; `StalenessGate(...)` reports 0 at once, so the groups a dead
+predecessor had in flight (they are sampled again) stop counting. Approximate where a group finishes far behind the
+ones started after it (a long response): it is trained later than its place says; the learner's admission rule still
+drops a group past the bound (`queue/dropped_stale`). Sync mode does not use it: there the driver hands out each
+step's prompts.
 """
 
 from __future__ import annotations
@@ -28,6 +32,20 @@ from __future__ import annotations
 import redis
 
 from streamrl.queue import QueueKeys
+
+# KEYS: stream, in-flight hash, announced version, learner version. ARGV: engine id, its groups in flight, groups it
+# wants to start, its weights' version, max staleness, groups a step, publish_every. Returns the groups granted.
+_RESERVE = """
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local in_system = redis.call('XLEN', KEYS[1])
+for _, count in ipairs(redis.call('HVALS', KEYS[2])) do in_system = in_system + tonumber(count) end
+local announced = tonumber(redis.call('GET', KEYS[3]) or '0')
+local learner = math.max(announced + tonumber(ARGV[7]) - 1, tonumber(redis.call('GET', KEYS[4]) or '0'))
+local steps = math.max(1, tonumber(ARGV[5]) + 1 - math.max(0, learner - tonumber(ARGV[4])))
+local granted = math.max(0, math.min(steps * tonumber(ARGV[6]) - in_system, tonumber(ARGV[3])))
+if granted > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], granted) end
+return granted
+"""
 
 
 class StalenessGate:
@@ -42,6 +60,7 @@ class StalenessGate:
     ) -> None:
         self.client, self.keys, self.engine_id = client, keys, engine_id
         self.max_staleness, self.groups_per_step, self.publish_every = max_staleness, groups_per_step, publish_every
+        self._reserve = client.register_script(_RESERVE)
         self.report(0)
 
     @property
@@ -53,15 +72,21 @@ class StalenessGate:
         """This engine has `in_flight` groups started and not yet in the stream."""
         self.client.hset(self.key, self.engine_id, in_flight)
 
-    def room(self, engine_version: int) -> int:
-        """Groups this engine may start now (none when negative); one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xlen(self.keys.stream)
-        pipe.hvals(self.key)
-        pipe.get(self.keys.policy_version)
-        pipe.get(self.keys.learner_version)
-        queued, counts, announced, learner_version = pipe.execute()
-        in_system = int(queued) + sum(int(count) for count in counts)
-        learner = max(int(announced or 0) + self.publish_every - 1, int(learner_version or 0))
-        steps = max(1, self.max_staleness + 1 - max(0, learner - engine_version))
-        return steps * self.groups_per_step - in_system
+    def reserve(self, engine_version: int, in_flight: int, wanted: int) -> int:
+        """Groups this engine may start now, at most `wanted`, counted in its `in_flight` at once (one round trip);
+        it starts at most that many before it reserves again."""
+        keys = self.keys
+        return int(
+            self._reserve(
+                keys=[keys.stream, self.key, keys.policy_version, keys.learner_version],
+                args=[
+                    self.engine_id,
+                    in_flight,
+                    wanted,
+                    engine_version,
+                    self.max_staleness,
+                    self.groups_per_step,
+                    self.publish_every,
+                ],
+            )
+        )

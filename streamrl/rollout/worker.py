@@ -120,7 +120,8 @@ class RolloutWorker:
         # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
         self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch, on_pushed=self.cursor.pushed)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
-        # Async mode: start only groups that will be trained within queue.max_staleness (re-read every _GATE_S).
+        # Async mode: start only groups that will be trained within queue.max_staleness (places reserved at the gate
+        # every _GATE_S).
         self.gate = (
             StalenessGate(
                 self.redis,
@@ -244,14 +245,21 @@ class RolloutWorker:
         self._budget_next = now + _GATE_S
         return False
 
+    def _reserve_at_gate(self) -> None:
+        """Async, at most every _GATE_S: report this engine's groups in flight to the staleness gate and reserve
+        places for the free slots of its batch (the other engines count them at once)."""
+        now = time.monotonic()
+        if self.gate is None or now < self._gate_next:
+            return
+        wanted = self.config.rollout.prompts_per_batch - len(self._in_flight)
+        self._gate_room = self.gate.reserve(self.engine.policy_version, self._unpushed(), wanted)
+        self._gate_next = now + _GATE_S
+
     def _gate_allows(self) -> bool:
-        """Whether the staleness gate lets one more group start (always without a gate)."""
+        """Whether one more group may start: always without a staleness gate, else while places reserved there
+        are left."""
         if self.gate is None:
             return True
-        now = time.monotonic()
-        if now >= self._gate_next:
-            self.gate.report(self._unpushed())
-            self._gate_room, self._gate_next = self.gate.room(self.engine.policy_version), now + _GATE_S
         if self._gate_room <= 0:
             return False
         self._gate_room -= 1
@@ -263,6 +271,7 @@ class RolloutWorker:
 
     def _top_up(self) -> None:
         rollout = self.config.rollout
+        self._reserve_at_gate()
         started = 0
         while len(self._in_flight) < rollout.prompts_per_batch and self._gate_allows():
             position = self.prompts.get_state()
