@@ -1,4 +1,4 @@
-"""Step composition: which of the admitted groups, in arrival order, make up the next optimizer step.
+"""Step composition: which of the admitted groups, in the order given (oldest first), make up the next optimizer step.
 
 Contract: a step is the shortest prefix of the groups in hand that has at least `groups_per_step` groups, at
 least `min_sequences` trainable sequences (non-empty responses; the learner passes its data-parallel size so

@@ -2,14 +2,19 @@
 
 Contract: the driver asks rank 0 `step_ready()` until the stream completes the next step (admission without waiting
 in the step: it supervises the engines between two asks); every learner rank then calls `next_step()` once per step,
-in the same order. Rank 0 (the only one holding a queue consumer) admits groups from the stream in arrival order
-until the step is complete (`compose.take_step`), dropping and counting groups whose oldest token is more than
+in the same order. Rank 0 (the only one holding a queue consumer) admits groups from the stream oldest first (by
+their oldest token's version; in arrival order among equals) until the step is complete (`compose.take_step`),
+dropping and counting groups whose oldest token is more than
 `queue.max_staleness` versions behind and, with `batching.drop_constant_groups`, groups whose rewards are all equal
 (admission; the engines keep producing, so the step fills with groups that carry a signal; the dropped ids are
 recorded in the journal's drop list before the acks), and broadcasts their wire bytes to every rank (no pickle
 between ranks either: docs/DESIGN.md, invariant 5). Every rank then plans the whole step deterministically and
 collates only its own micro-batches (`microbatch.plan_rank`). Groups read beyond the step (a token budget can
 overshoot) are held for the next step; they stay pending in Redis until the step that uses them commits.
+In async mode with the staleness gate, a complete step is not ready while an engine still holds a group that this
+step is the last to take within the bound (its start version `<= learner version - queue.max_staleness`, from
+`QueueKeys.oldest_in_flight`): a long response finishes behind shorter ones started after it, and the step waits for
+it rather than leave it to be dropped, for at most DEADLINE_WAIT_S a step and only while the stream has room for it.
 `commit(step, number)` (rank 0, after every rank has stepped) writes the step to the step journal
 (`step_journal.py`), then acks the step's groups and records their ids in one script call, then adds it to the
 ledger of trained groups; `checkpointed(number)` prunes the journal once a checkpoint holds the step (the checkpoint
@@ -50,12 +55,16 @@ from streamrl.queue import (
 )
 from streamrl.types import ConsumedGroup, MicroBatch, TrajectoryGroup
 
+# The longest a step waits for groups whose last chance it is (their engine's report can outlive them: a replaced
+# engine's count goes only when the replacement starts); past it they may be dropped as stale, as without the wait.
+DEADLINE_WAIT_S = 30.0
+
 
 @dataclass(frozen=True)
 class Step:
     """One optimizer step as one rank sees it."""
 
-    groups: list[TrajectoryGroup]  # every group of the step, in arrival order (the same on every rank)
+    groups: list[TrajectoryGroup]  # every group of the step, oldest first (the same on every rank)
     microbatches: list[MicroBatch]  # this rank's micro-batches (its data-parallel share, before CP sharding)
     admitted: list[ConsumedGroup]  # rank 0: the consumed entries to commit; empty elsewhere
     wait_s: float  # rank 0: seconds spent waiting for groups
@@ -81,6 +90,7 @@ class StepSource:
         root = config.run.dir / "journal"
         self.journal = StepJournal(root, config.queue.max_entry_bytes) if consumer is not None else None
         self._replay: list[int] = []  # journaled steps still to re-train after a resume (rank 0)
+        self._deadline_since: float | None = None  # when the next step began to wait for a group's last chance
 
     @classmethod
     def for_rank(
@@ -221,13 +231,30 @@ class StepSource:
         learner's wait inside a step, sees an engine lost while the step's groups are still to come."""
         if self.consumer is None or self._replay:
             return True
-        if self._step_size(learner_version) is not None:
+        # Whatever the stream holds now: the step takes the oldest groups first, which may be behind newer ones.
+        self._held += self.consumer.read(self.config.queue.max_backlog, None)
+        if self._step_size(learner_version) is not None and not self._deadline_pending(learner_version):
             return True
         self._read_more(block_ms)
-        return self._step_size(learner_version) is not None
+        return self._step_size(learner_version) is not None and not self._deadline_pending(learner_version)
+
+    def _deadline_pending(self, learner_version: int) -> bool:
+        """Rank 0, async with the staleness gate: an engine still holds a group whose last chance within the bound
+        is this step, the stream has room for it to arrive, and the step has waited less than DEADLINE_WAIT_S."""
+        queue = self.config.queue
+        if self.config.train.mode != "async" or not queue.staleness_gate:
+            return False
+        assert self.consumer is not None
+        started = [int(v) for v in self.consumer.client.hvals(self.consumer.keys.oldest_in_flight)]
+        if not any(version <= learner_version - queue.max_staleness for version in started):
+            return False
+        now = time.monotonic()
+        if self._deadline_since is None:
+            self._deadline_since = now
+        return now - self._deadline_since < DEADLINE_WAIT_S and self.consumer.backlog() < queue.max_backlog
 
     def _admit(self, learner_version: int) -> list[ConsumedGroup]:
-        """Rank 0: whole groups in arrival order until the step is complete (bounded wait)."""
+        """Rank 0: whole groups, oldest first, until the step is complete (bounded wait)."""
         queue = self.config.queue
         deadline = time.monotonic() + queue.wait_timeout_s
         while (size := self._step_size(learner_version)) is None:
@@ -239,6 +266,7 @@ class StepSource:
                 )
             self._read_more(queue.read_block_ms)
         step, self._held = self._held[:size], self._held[size:]
+        self._deadline_since = None
         return step
 
     def _step_size(self, learner_version: int) -> int | None:
@@ -246,6 +274,7 @@ class StepSource:
         (None: not yet). Held groups age too, so the staleness rule is re-applied on every pass."""
         batching, queue = self.config.batching, self.config.queue
         self._held, stale = split_by_staleness(self._held, learner_version, queue.max_staleness)
+        self._held.sort(key=lambda consumed: consumed.group.min_version)  # stable: arrival order among equals
         self._drop("stale", stale, learner_version)
         self.dropped_stale += len(stale)
         if batching.drop_constant_groups:  # DAPO's dynamic sampling: no reward variance, no gradient
@@ -263,7 +292,8 @@ class StepSource:
         want = groups_needed(
             self._groups(), batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size
         )
-        self._held += self.consumer.read(want, block_ms)
+        # A complete step waiting for an old group reads a step's worth past it: the group may be behind newer ones.
+        self._held += self.consumer.read(want or batching.groups_per_step, block_ms)
 
     def _groups(self) -> list[TrajectoryGroup]:
         return [c.group for c in self._held]

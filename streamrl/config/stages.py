@@ -307,7 +307,7 @@ class BatchingConfig(_Section):
     tokens_per_step: int | None = Field(
         None,
         gt=0,
-        description="If set, a step takes whole groups in arrival order until their prompt + response "
+        description="If set, a step takes whole groups, oldest first, until their prompt + response "
         "tokens reach this budget (streamrl.batching.compose); groups are never split across steps.",
     )
     max_tokens_per_microbatch: int = Field(

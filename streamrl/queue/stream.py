@@ -113,6 +113,12 @@ class QueueKeys:
         return f"{self.prefix}:learner_version"
 
     @property
+    def oldest_in_flight(self) -> str:
+        """Hash: engine id -> the engine version its oldest group started and not yet pushed started under (async
+        mode with the staleness gate; absent while it has none)."""
+        return f"{self.prefix}:oldest_in_flight"
+
+    @property
     def markers(self) -> str:
         """Hash: group id -> 1, the push marker of each group admitted to the stream and not yet retired (makes a
         retried push idempotent)."""

@@ -25,18 +25,30 @@ predecessor had in flight (they are sampled again) stop counting. Approximate wh
 ones started after it (a long response): it is trained later than its place says; the learner's admission rule still
 drops a group past the bound (`queue/dropped_stale`). Sync mode does not use it: there the driver hands out each
 step's prompts.
+The gate also keeps the engine version each group started under until it is pushed (`started`, `pushed`), and
+publishes the oldest with every report (`QueueKeys.oldest_in_flight`): the learner waits for a group whose last
+chance is its next step rather than training without it (`streamrl.batching.step_source`), since a long response
+finishes behind shorter ones started after it.
 """
 
 from __future__ import annotations
+
+import threading
 
 import redis
 
 from streamrl.queue import QueueKeys
 
-# KEYS: stream, in-flight hash, announced version, learner version. ARGV: engine id, its groups in flight, groups it
-# wants to start, its weights' version, max staleness, groups a step, publish_every. Returns the groups granted.
+# KEYS: stream, in-flight hash, announced version, learner version, oldest-in-flight hash. ARGV: engine id, its groups
+# in flight, groups it wants to start, its weights' version, max staleness, groups a step, publish_every, the version
+# its oldest group in flight started under (-1: none). Returns the groups granted.
 _RESERVE = """
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+if tonumber(ARGV[8]) >= 0 then
+  redis.call('HSET', KEYS[5], ARGV[1], ARGV[8])
+else
+  redis.call('HDEL', KEYS[5], ARGV[1])
+end
 local in_system = redis.call('XLEN', KEYS[1])
 for _, count in ipairs(redis.call('HVALS', KEYS[2])) do in_system = in_system + tonumber(count) end
 local announced = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -61,6 +73,8 @@ class StalenessGate:
         self.client, self.keys, self.engine_id = client, keys, engine_id
         self.max_staleness, self.groups_per_step, self.publish_every = max_staleness, groups_per_step, publish_every
         self._reserve = client.register_script(_RESERVE)
+        self._started: dict[str, int] = {}  # group id -> engine version it started under, until pushed
+        self._lock = threading.Lock()  # `pushed` runs on the outbox's thread
         self.report(0)
 
     @property
@@ -69,8 +83,29 @@ class StalenessGate:
         return f"{self.keys.prefix}:in_flight"
 
     def report(self, in_flight: int) -> None:
-        """This engine has `in_flight` groups started and not yet in the stream."""
-        self.client.hset(self.key, self.engine_id, in_flight)
+        """This engine has `in_flight` groups started and not yet in the stream (0: none, whatever was started)."""
+        oldest = self.oldest() if in_flight else -1
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.key, self.engine_id, in_flight)
+        if oldest >= 0:
+            pipe.hset(self.keys.oldest_in_flight, self.engine_id, oldest)
+        else:
+            pipe.hdel(self.keys.oldest_in_flight, self.engine_id)
+        pipe.execute()
+
+    def started(self, group_id: str, engine_version: int) -> None:
+        with self._lock:
+            self._started[group_id] = engine_version
+
+    def pushed(self, group_ids: list[str]) -> None:
+        with self._lock:
+            for group_id in group_ids:
+                self._started.pop(group_id, None)
+
+    def oldest(self) -> int:
+        """The engine version the oldest group started and not yet pushed started under (-1: none)."""
+        with self._lock:
+            return min(self._started.values(), default=-1)
 
     def reserve(self, engine_version: int, in_flight: int, wanted: int) -> int:
         """Groups this engine may start now, at most `wanted`, counted in its `in_flight` at once (one round trip);
@@ -78,7 +113,7 @@ class StalenessGate:
         keys = self.keys
         return int(
             self._reserve(
-                keys=[keys.stream, self.key, keys.policy_version, keys.learner_version],
+                keys=[keys.stream, self.key, keys.policy_version, keys.learner_version, keys.oldest_in_flight],
                 args=[
                     self.engine_id,
                     in_flight,
@@ -87,6 +122,7 @@ class StalenessGate:
                     self.max_staleness,
                     self.groups_per_step,
                     self.publish_every,
+                    self.oldest() if in_flight else -1,
                 ],
             )
         )

@@ -118,7 +118,7 @@ class RolloutWorker:
         self.prompts.reset(self.cursor.load())
         producer = TrajectoryProducer(self.redis, self.keys, config.queue.max_backlog, config.queue.wait_timeout_s)
         # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
-        self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch, on_pushed=self.cursor.pushed)
+        self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch, on_pushed=self._pushed)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
         # Async mode: start only groups that will be trained within queue.max_staleness (places reserved at the gate
         # every _GATE_S).
@@ -265,6 +265,12 @@ class RolloutWorker:
         self._gate_room -= 1
         return True
 
+    def _pushed(self, group_ids: list[str]) -> None:
+        """The outbox's thread: these groups are in the stream."""
+        self.cursor.pushed(group_ids)
+        if self.gate is not None:
+            self.gate.pushed(group_ids)
+
     def _unpushed(self) -> int:
         """Groups this engine started that are not in the stream yet: generating, being scored, in the outbox."""
         return len(self._in_flight) + len(self._scoring) + self.outbox.held()
@@ -288,6 +294,8 @@ class RolloutWorker:
                 request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p, detokenize=False
             )
             self._in_flight[request_id] = (prompt, ids)
+            if self.gate is not None:
+                self.gate.started(request_id, self.engine.policy_version)
             started += 1
         if started and self.gate is not None:
             self.gate.report(self._unpushed())  # the other engines count these at once

@@ -1,10 +1,13 @@
-"""The step source against a real Redis stream on a one-rank gloo world: whole steps in arrival order, stale and
-(with dynamic sampling) constant-reward groups dropped at admission and counted, commit acks the step."""
+"""The step source against a real Redis stream on a one-rank gloo world: whole steps oldest first, stale and
+(with dynamic sampling) constant-reward groups dropped at admission and counted, commit acks the step; in async mode
+a step waits for a group whose last chance it is (bounded: time, and room in the stream)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ from streamrl.batching import StepSource, cost_model
 from streamrl.config import LearnerConfig, build_config
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.net import free_port
-from streamrl.queue import TrajectoryConsumer, TrajectoryProducer
+from streamrl.queue import QueueKeys, TrajectoryConsumer, TrajectoryProducer
 from streamrl.queue.client import connect
 from streamrl.queue.sync_budget import SyncBudget
 from tests.queue.test_codec import make_group
@@ -36,12 +39,15 @@ def one_rank_world():
     destroy_parallel()
 
 
-def _source(redis_server, queue_keys, run_dir: Path, mode: str = "async", **batching) -> StepSource:
+def _source(
+    redis_server, queue_keys, run_dir: Path, mode: str = "async", queue: dict | None = None, **batching
+) -> StepSource:
     config = build_config(
         {
             "model": {"path": "unused"},
             "run": {"name": queue_keys.prefix, "dir": str(run_dir)},
             "train": {"mode": mode},
+            "queue": queue or {},
             "batching": {"groups_per_step": 2, **batching},
         }
     )
@@ -53,6 +59,11 @@ def _constant(group, value: float):
     return dataclasses.replace(group, rewards=np.full(len(group.rewards), value, np.float32))
 
 
+def _sampled_under(version: int, seed: int):
+    group = make_group([2, 3], seed=seed)
+    return dataclasses.replace(group, versions=np.full_like(group.versions, version))
+
+
 def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(
     one_rank_world, redis_server, queue_keys, tmp_path: Path
 ) -> None:
@@ -62,7 +73,8 @@ def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(
     producer.push(groups)
     source = _source(redis_server, queue_keys, tmp_path, drop_constant_groups=True)
     step = source.next_step(learner_version=4)  # make_group stamps versions 0..4
-    assert [g.group_id for g in step.groups] == ["g1", "g3"]  # the constant ones were skipped, the step filled
+    assert sorted(g.group_id for g in step.groups) == ["g1", "g3"]  # the constant ones skipped, the step filled
+    assert [g.min_version for g in step.groups] == sorted(g.min_version for g in step.groups)  # oldest first
     assert source.dropped_constant == 2 and step.microbatches
     source.commit(step, 1)
     metrics = source.metrics(step, 4, step_s=1.0)
@@ -90,7 +102,7 @@ def test_sync_admission_refuses_grants_and_answers_without_waiting(
     producer.push([make_group([3, 2], seed=2)])
     assert source.step_ready(learner_version=4)
     step = source.next_step(learner_version=4)
-    assert [g.group_id for g in step.groups] == ["g1", "g2"] and step.wait_s < 0.1
+    assert sorted(g.group_id for g in step.groups) == ["g1", "g2"] and step.wait_s < 0.1
     source.commit(step, 1)
 
 
@@ -129,3 +141,46 @@ def test_a_step_journaled_but_not_acked_is_acked_on_resume_and_replayed_once(
         (2, ["g2", "g3"], False),
     ]
     assert resumed.consumer.backlog() == 0
+
+
+def test_a_step_waits_for_a_group_whose_last_chance_it_is_and_takes_it_first(
+    one_rank_world, redis_server, queue_keys, tmp_path: Path
+) -> None:
+    """Async, staleness gate on, max_staleness 4, learner at version 6: an engine still holds a group started under
+    version 2 (a long response): the step, complete without it, is not ready until it arrives, then holds it first."""
+    client = connect(redis_server.url, redis_server.password)
+    producer = TrajectoryProducer(client, queue_keys, 16, 5.0)
+    producer.push([_sampled_under(5, seed) for seed in range(2)])  # a complete step of fresh groups
+    source = _source(redis_server, queue_keys, tmp_path)
+    client.hset(queue_keys.oldest_in_flight, "engine-1", 3)  # its last chance is the next step
+    assert source.step_ready(learner_version=6)
+    client.hset(queue_keys.oldest_in_flight, "engine-1", 2)
+    assert not source.step_ready(learner_version=6, block_ms=50)
+    producer.push([_sampled_under(2, 9)])
+    client.hdel(queue_keys.oldest_in_flight, "engine-1")  # pushed: the engine holds nothing that old any more
+    assert source.step_ready(learner_version=6, block_ms=50)
+    step = source.next_step(learner_version=6)
+    assert [g.group_id for g in step.groups] == ["g9", "g0"] and source.dropped_stale == 0
+    source.commit(step, 7)
+
+
+def test_the_wait_for_a_last_chance_is_bounded_by_time_and_by_room_in_the_stream(
+    one_rank_world, redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamrl.batching import step_source
+
+    client = connect(redis_server.url, redis_server.password)
+
+    def source_of_a_complete_step(name: str, **queue: int) -> StepSource:
+        keys = QueueKeys(f"test-{uuid.uuid4().hex[:8]}-{name}")
+        TrajectoryProducer(client, keys, 16, 5.0).push([_sampled_under(5, seed) for seed in range(2)])
+        client.hset(keys.oldest_in_flight, "engine-1", 2)  # never arrives (its engine died, say)
+        return _source(redis_server, keys, tmp_path / name, queue=queue)
+
+    # The stream is full: the group could not arrive before this step.
+    assert source_of_a_complete_step("full", max_backlog=2).step_ready(learner_version=6)
+    monkeypatch.setattr(step_source, "DEADLINE_WAIT_S", 0.3)
+    source = source_of_a_complete_step("room")
+    assert not source.step_ready(learner_version=6)
+    time.sleep(0.3)
+    assert source.step_ready(learner_version=6)

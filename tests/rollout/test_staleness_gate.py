@@ -1,6 +1,6 @@
 """The staleness gate against a real Redis: the places it grants an engine follow the groups queued and in flight
 ahead, the engine's version against the learner's; engines asking at once share the room; a dead engine's count goes
-when its replacement starts."""
+when its replacement starts; the version its oldest group in flight started under is published until it is pushed."""
 
 from __future__ import annotations
 
@@ -49,3 +49,17 @@ def test_engines_asking_at_once_share_the_room(redis_server, queue_keys) -> None
     with ThreadPoolExecutor(len(gates)) as pool:
         grants = list(pool.map(lambda gate: gate.reserve(3, 0, (S + 1) * G), gates))
     assert sum(grants) == (S + 1) * G  # each alone would have been granted all of it
+
+
+def test_the_oldest_group_in_flight_is_published_until_pushed(redis_server, queue_keys) -> None:
+    client = connect(redis_server.url, redis_server.password)
+    gate = _gate(redis_server, queue_keys, "engine-0")
+    gate.started("g-a", 3)
+    gate.started("g-b", 5)
+    gate.report(2)
+    assert client.hget(queue_keys.oldest_in_flight, "engine-0") == b"3"
+    gate.pushed(["g-a"])
+    gate.reserve(5, 1, 0)
+    assert client.hget(queue_keys.oldest_in_flight, "engine-0") == b"5"
+    gate.report(0)  # nothing in flight (a stopped engine, or a replacement starting)
+    assert client.hget(queue_keys.oldest_in_flight, "engine-0") is None
