@@ -9,8 +9,9 @@ dropping and counting groups whose oldest token is more than
 (admission; the engines keep producing, so the step fills with groups that carry a signal; the dropped ids are
 recorded in the journal's drop list before the acks), and broadcasts their wire bytes to every rank (no pickle
 between ranks either: docs/DESIGN.md, invariant 5). Every rank then plans the whole step deterministically and
-collates only its own micro-batches (`microbatch.plan_rank`). Groups read beyond the step (a token budget can
-overshoot) are held for the next step; they stay pending in Redis until the step that uses them commits.
+collates only its own micro-batches (`microbatch.plan_rank`). Groups read beyond the step (each ask reads what the
+stream holds, so that an old group behind newer ones is seen; a token budget can overshoot) are held for the next
+step; they stay pending in Redis until the step that uses them commits.
 In async mode with the staleness gate, a complete step is not ready while an engine still holds a group that this
 step is the last to take within the bound (its start version `<= learner version - queue.max_staleness`, from
 `QueueKeys.oldest_in_flight`): a long response finishes behind shorter ones started after it, and the step waits for
