@@ -8,7 +8,9 @@ job (engines, learner, Redis), then times `--steps` steps from the first step on
 GPU's utilisation with nvidia-smi every 0.5 s, and reports: generated and trained tokens/s, wall time, the GPU busy
 fraction of the engines' and the learner's GPUs, policy lag, publish time, the step time split, stale drops and
 the reward per consumed sample (every step consumes the same number of samples). The async backlog is
-`max(1, staleness - 1)` steps of groups, so the lag of consumed groups stays under the bound.
+`staleness + 1` steps of groups, everything the staleness gate lets into the system (the gate, not the backlog,
+keeps the lag of consumed groups within the bound; a smaller backlog would keep finished groups out of the stream
+while the learner waits for them); sync holds one step.
 
 Prints a table and writes `benchmarks/results/e2e_async_vs_sync.json` (or `--out`). On CPU (no nvidia-smi) the GPU
 columns stay empty.
@@ -65,7 +67,7 @@ class GpuSampler:
 
 def arrangement(base: Config, mode: str, staleness: int) -> Config:
     """The base config in `mode` ("sync", "colocated" or "async") at `staleness`, on the base's GPUs."""
-    backlog = base.batching.groups_per_step * (max(1, staleness - 1) if mode == "async" else 1)
+    backlog = base.batching.groups_per_step * (staleness + 1 if mode == "async" else 1)
     overrides: dict[str, dict[str, Any]] = {
         "train": {"mode": "async" if mode == "async" else "sync", "checkpoint_every": 0},
         "queue": {"max_staleness": staleness, "max_backlog": backlog},

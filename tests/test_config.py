@@ -69,6 +69,16 @@ def test_dotted_overrides_are_typed(tmp_path: Path) -> None:
         apply_override(tree, "novalue")
 
 
+def test_the_backlog_defaults_to_what_the_staleness_gate_lets_in(tmp_path: Path) -> None:
+    assert build_config(BASE).queue.max_backlog == (4 + 1) * 8  # default max_staleness and groups_per_step
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "batching": {"groups_per_step": 32}}))
+    assert load_config(path, ["queue.max_staleness=1"]).queue.max_backlog == 64
+    assert load_config(path, ["queue.max_backlog=7"]).queue.max_backlog == 7  # a value given wins
+    with pytest.raises(ConfigError, match=r"queue\.max_staleness"):
+        build_config({**BASE, "queue": {"max_staleness": "many"}})
+
+
 def test_resolved_config_round_trips(tmp_path: Path) -> None:
     config = build_config({**BASE, "train": {"steps": 3}})
     saved = save_resolved(config, tmp_path)

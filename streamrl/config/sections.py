@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from streamrl.config.base import _Section
@@ -30,6 +32,23 @@ class Config(_Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_defaults(cls, data: Any) -> Any:
+        """`queue.max_backlog` left unset: (queue.max_staleness + 1) x batching.groups_per_step (see its field)."""
+        if not isinstance(data, dict) or not isinstance(queue := data.get("queue", {}), dict):
+            return data
+        if queue.get("max_backlog") is not None:
+            return data
+        batching = data.get("batching", {})
+        staleness = queue.get("max_staleness", QueueConfig.model_fields["max_staleness"].default)
+        groups = BatchingConfig.model_fields["groups_per_step"].default
+        if isinstance(batching, dict):
+            groups = batching.get("groups_per_step", groups)
+        if not all(isinstance(value, int) for value in (staleness, groups)):
+            return data  # the fields' own validation names the bad value
+        return {**data, "queue": {**queue, "max_backlog": (staleness + 1) * groups}}
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

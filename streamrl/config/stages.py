@@ -288,7 +288,13 @@ class QueueConfig(_Section):
         description="Async mode: engines start no group that would be trained more than max_staleness versions "
         "behind (counting the groups queued and in flight ahead of it), so few are generated only to be dropped.",
     )
-    max_backlog: int = Field(256, ge=1, description="Producers wait while this many groups are unconsumed.")
+    max_backlog: int = Field(
+        256,
+        ge=1,
+        description="Producers wait while this many groups are unconsumed. Unset in a job's config: (max_staleness + "
+        "1) x batching.groups_per_step, every group the staleness gate lets into the system, so an engine's finished "
+        "groups never wait for room while the learner waits for them.",
+    )
     read_block_ms: int = Field(1000, gt=0, description="Longest single blocking XREADGROUP.")
     reclaim_idle_ms: int = Field(
         60_000, gt=0, description="Pending entries idle this long are reclaimed; must exceed the longest learner step."
