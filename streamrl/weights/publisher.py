@@ -19,12 +19,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from streamrl.config import TrainConfig
-from streamrl.net import free_port
 from streamrl.weights.transport import WeightGroup
 
 logger = logging.getLogger(__name__)
@@ -37,18 +38,28 @@ class StagePublisher:
     def __init__(self, train: TrainConfig, device: str, is_sender: bool):
         self.train, self.device, self.is_sender = train, device, is_sender
         self.group: WeightGroup | None = None
+        self._store: dist.TCPStore | None = None  # a sender: the store of the group being formed, listening already
         self._past_versions: deque[tuple[int, list[tuple[str, torch.Tensor]]]] = deque()  # train.publish_lag
 
     def address(self) -> tuple[str, int]:
-        """A sender: where engines reach its weight-group store (this node's IP, never loopback, and a free port)."""
+        """A sender: where engines reach its next weight group's store: this node's IP (never loopback) and the port
+        of a store that listens from now on (bound to a port the system picks, so no other process can take the
+        port between this answer and the group's forming, as one picked free and bound later could be)."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        host = ray.util.get_node_ip_address()
+        timeout = timedelta(seconds=self.train.publish_timeout_s)
+        self._store = dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+        return host, self._store.port
 
     def open(self, host: str, port: int, world_size: int, generation: int) -> None:
-        """A sender becomes rank 0 of a new weight group for its stage; a previous one is dropped."""
+        """A sender becomes rank 0 of a new weight group for its stage on the store `address` opened; a previous
+        group is dropped."""
         if self.is_sender:
-            self.group = WeightGroup(host, port, 0, world_size, generation, self.train.publish_timeout_s, self.device)
+            if self._store is None or self._store.port != port:
+                raise RuntimeError(f"learner: weight group port {port} is not the one this sender opened")
+            timeout_s = self.train.publish_timeout_s
+            self.group = WeightGroup(host, port, 0, world_size, generation, timeout_s, self.device, store=self._store)
 
     def publish(self, version: int, named: NamedTensorStream) -> dict[str, float]:
         """Send `named` (consumed lazily: the gathers run as buckets are packed) as `version`; a sender returns its

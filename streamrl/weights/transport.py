@@ -73,11 +73,21 @@ class WeightGroup:
     """Rank 0 publishes versions; every other rank receives them whole."""
 
     def __init__(
-        self, host: str, port: int, rank: int, world_size: int, generation: int, timeout_s: float, device: str = "cpu"
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        generation: int,
+        timeout_s: float,
+        device: str = "cpu",
+        store: dist.TCPStore | None = None,
     ):
+        """`store`: rank 0's master store listening on `port` already (else rank 0 creates it here)."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
         prefixed = dist.PrefixStore(f"streamrl-weights-{generation}", store)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
