@@ -177,7 +177,9 @@ class RolloutWorker:
                 self.outbox.check()
                 self._finish_scored()
                 room = len(self._scoring) + self.outbox.held() < self.outbox.capacity
-                if room and not self.receiver.draining() and not self.engine.sleeping:
+                starting = room and not self.receiver.draining() and not self.engine.sleeping
+                self._reserve_at_gate(starting)
+                if starting:
                     self._top_up()
                 if self.engine.has_unfinished():
                     self._step()
@@ -245,13 +247,13 @@ class RolloutWorker:
         self._budget_next = now + _GATE_S
         return False
 
-    def _reserve_at_gate(self) -> None:
-        """Async, at most every _GATE_S: report this engine's groups in flight to the staleness gate and reserve
-        places for the free slots of its batch (the other engines count them at once)."""
+    def _reserve_at_gate(self, starting: bool) -> None:
+        """Async, at most every _GATE_S: report this engine's groups in flight (and the oldest one's version) to the
+        staleness gate and, when `starting` groups, reserve places for the free slots of its batch."""
         now = time.monotonic()
         if self.gate is None or now < self._gate_next:
             return
-        wanted = self.config.rollout.prompts_per_batch - len(self._in_flight)
+        wanted = self.config.rollout.prompts_per_batch - len(self._in_flight) if starting else 0
         self._gate_room = self.gate.reserve(self.engine.policy_version, self._unpushed(), wanted)
         self._gate_next = now + _GATE_S
 
@@ -277,7 +279,6 @@ class RolloutWorker:
 
     def _top_up(self) -> None:
         rollout = self.config.rollout
-        self._reserve_at_gate()
         started = 0
         while len(self._in_flight) < rollout.prompts_per_batch and self._gate_allows():
             position = self.prompts.get_state()
