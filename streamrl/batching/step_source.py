@@ -232,8 +232,7 @@ class StepSource:
         learner's wait inside a step, sees an engine lost while the step's groups are still to come."""
         if self.consumer is None or self._replay:
             return True
-        # Whatever the stream holds now: the step takes the oldest groups first, which may be behind newer ones.
-        self._held += self.consumer.read(self.config.queue.max_backlog, None)
+        self._read_available()
         if self._step_size(learner_version) is not None and not self._deadline_pending(learner_version):
             return True
         self._read_more(block_ms)
@@ -295,6 +294,14 @@ class StepSource:
         )
         # A complete step waiting for an old group reads a step's worth past it: the group may be behind newer ones.
         self._held += self.consumer.read(want or batching.groups_per_step, block_ms)
+        self._read_available()
+
+    def _read_available(self) -> None:
+        """Rank 0: whatever else the stream holds now (no wait): the step takes the oldest groups first, and an old
+        group may be behind newer ones (what a read of the step's count alone left behind dropped a whole engine's
+        groups as stale)."""
+        assert self.consumer is not None
+        self._held += self.consumer.read(self.config.queue.max_backlog, None)
 
     def _groups(self) -> list[TrajectoryGroup]:
         return [c.group for c in self._held]

@@ -54,6 +54,7 @@ def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) ->
         assert_every_prompt_once(cluster.redis_client, config)
         # An engine that dies between a step and the driver's stats poll is replaced there, not a crash.
         ray.kill(cluster.engines[0])
+        ray.wait(cluster.engine_loops[:1], timeout=60)  # the kill has landed (ray.kill returns at once)
         assert cluster.engine_stats()["rollout/engines_restarted"] == 2
         # Every engine lost (a node gone), and the learner trains the groups left in the stream until it lacks a
         # step's: only the driver's wait can replace the engines, and it gives the replacements the learner's weights.
