@@ -35,17 +35,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from streamrl.models.tiny import PRESETS, VOCAB_SIZE
+
 SHAPES = {  # HF config fields of the released models, less the layer count
-    # the end-to-end GPU configs' ~0.2B model (`streamrl.models.tiny`, preset medium: 16 layers, 64-token vocabulary)
+    # the end-to-end GPU configs' ~0.2B model: `streamrl.models.tiny`'s medium preset and its 64-token vocabulary
     "qwen3-medium": dict(
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",
-        hidden_size=1024,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=3072,
-        vocab_size=64,
+        **{key: value for key, value in PRESETS["medium"].items() if key != "num_hidden_layers"},
+        vocab_size=VOCAB_SIZE,
     ),
     "qwen3-8b": dict(
         architectures=["Qwen3ForCausalLM"],

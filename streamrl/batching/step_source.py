@@ -233,9 +233,12 @@ class StepSource:
         if self.consumer is None or self._replay:
             return True
         self._read_available()
-        if self._step_size(learner_version) is not None and not self._deadline_pending(learner_version):
+        if self._complete(learner_version):
             return True
         self._read_more(block_ms)
+        return self._complete(learner_version)
+
+    def _complete(self, learner_version: int) -> bool:
         return self._step_size(learner_version) is not None and not self._deadline_pending(learner_version)
 
     def _deadline_pending(self, learner_version: int) -> bool:
