@@ -17,6 +17,11 @@ in megatron-core 0.16.1, the unfused code that Transformer Engine's fusions woul
 - RoPE: `_apply_rotary_pos_emb_bshd` (also used per packed micro-batch by the `thd` path) runs
   `streamrl.learner.model.fused.rotary` (one kernel each way on the GPU) when the rotation is non-interleaved,
   covers the whole head, is not MLA's and has mscale 1; otherwise Megatron's own code.
+- RoPE of packed sequences (`_apply_rotary_pos_emb_thd`, context-parallel size 1): Megatron slices the frequencies
+  sequence by sequence in Python (a host sync for the lengths, then a slice per sequence and a `cat`, for q and k of
+  every layer: thousands of launches a micro-batch of short RL responses). Here each token's position in its
+  sequence comes from `cu_seqlens` in three kernels and one gather picks the frequencies; the same frequencies, so
+  the same result. With context parallelism, Megatron's own code.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ _originals = {
     "unpermute": moe_utils.unpermute,
     "sort_chunks_by_idxs": moe_utils.sort_chunks_by_idxs,
     "rope": rope_utils._apply_rotary_pos_emb_bshd,
+    "rope_thd": rope_utils._apply_rotary_pos_emb_thd,
 }
 
 
@@ -145,8 +151,43 @@ def _rotary_bshd(
     return rotary(t, freqs)
 
 
+def _rotary_thd(
+    t: Tensor,
+    cu_seqlens: Tensor,
+    freqs: Tensor,
+    rotary_interleaved: bool = False,
+    multi_latent_attention: bool = False,
+    mscale: float = 1.0,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> Tensor:
+    """`rope_utils._apply_rotary_pos_emb_thd` with the frequencies gathered at once (see the module docstring)."""
+    if cp_group is None or cp_group.size() != 1:
+        return _originals["rope_thd"](
+            t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group
+        )
+    tokens = t.shape[0]
+    if freqs.size(0) == tokens:
+        # Megatron's rule (freqs as long as the packed batch: one entry per packed position, each sequence's slice
+        # starting at its offset): its slices put together are freqs[:tokens] itself.
+        packed = freqs
+    else:
+        starts = cu_seqlens[:-1].long()
+        lengths = cu_seqlens[1:].long() - starts
+        # output_size: no host sync for the length of the result.
+        offsets = torch.repeat_interleave(starts, lengths, output_size=tokens)
+        packed = freqs[torch.arange(tokens, device=offsets.device) - offsets]
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        packed,
+        rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=multi_latent_attention,
+        mscale=mscale,
+    ).squeeze(1)
+
+
 def use_fused_paths() -> None:
     """Install the replacements above into megatron-core's modules (see the module docstring)."""
     token_dispatcher.permute, token_dispatcher.unpermute = permute, unpermute
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
     rope_utils._apply_rotary_pos_emb_bshd = _rotary_bshd
+    rope_utils._apply_rotary_pos_emb_thd = _rotary_thd

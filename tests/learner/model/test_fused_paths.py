@@ -1,10 +1,14 @@
-"""streamrl.learner.model.fused_paths: the gather-only MoE permutation equals Megatron's own, forward and backward."""
+"""streamrl.learner.model.fused_paths: the gather-only MoE permutation and the packed-sequence RoPE equal Megatron's own,
+forward and backward."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
+import torch.distributed as dist
+from megatron.core.models.common.embeddings import rope_utils
 
 from streamrl.learner.model import fused_paths
 from streamrl.learner.model.fused_paths import _originals
@@ -61,3 +65,41 @@ def test_identity_chunk_sort_returns_its_inputs() -> None:
     out, out_probs = fused_paths.sort_chunks_by_idxs(rows, sizes, torch.tensor([2, 0, 1]), probs=probs)
     torch.testing.assert_close(out, torch.cat([rows[4:], rows[:4]]))
     torch.testing.assert_close(out_probs, torch.cat([probs[4:], probs[:4]]))
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[dist.ProcessGroup]:
+    """A real gloo process group of this process alone: the context-parallel group of the RoPE calls."""
+    if dist.is_initialized():
+        yield dist.new_group([dist.get_rank()])
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("freqs_per_token", [False, True], ids=["freqs-per-position", "freqs-per-packed-token"])
+def test_packed_rope_matches_megatron(one_rank_group: dist.ProcessGroup, freqs_per_token: bool) -> None:
+    fused_paths.use_fused_paths()
+    lengths = torch.randint(1, 40, (37,))
+    lengths[5] = 1  # a one-token sequence among them
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    tokens = int(cu_seqlens[-1])
+    freqs = torch.randn(tokens if freqs_per_token else int(lengths.max()) + 7, 1, 1, 32) * 3
+    x = torch.randn(tokens, 4, 32, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(tokens, 4, 32, dtype=torch.float64)
+
+    def rotated(apply: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        x.grad = None
+        out = apply(x, cu_seqlens, freqs.double(), cp_group=one_rank_group)
+        out.backward(grad)
+        return out.detach(), x.grad.clone()
+
+    assert rope_utils._apply_rotary_pos_emb_thd is fused_paths._rotary_thd
+    ours, ours_grad = rotated(fused_paths._rotary_thd)
+    megatron, megatron_grad = rotated(_originals["rope_thd"])
+    assert torch.equal(ours, megatron)
+    assert torch.equal(ours_grad, megatron_grad)
+    assert not torch.equal(ours, x.detach())  # the rotation did something
