@@ -1,0 +1,221 @@
+"""An engine's generation against standalone vLLM on the same device, model, prompts and batch.
+
+Usage: `python benchmarks/engine_generation.py -c CONFIG [--groups 256] [--out PATH] [override ...]`. Three
+arrangements, each in a process of its own (one vLLM per process), on the config's model, task and rollout settings:
+
+- `vllm`: standalone vLLM, `LLM.generate` on all the prompts at once, `n` samples each, at most as many sequences
+  running as the engine keeps in flight (`max_num_seqs`), with the engine's sampling (behaviour log-probs, no text);
+- `engine`: streamrl's `VLLMEngine` stepped by a bare loop that keeps `rollout.prompts_per_batch` prompts in flight
+  (vLLM driven step by step, every token stamped with its version, as the rollout loop does);
+- `worker`: the whole rollout loop (`RolloutWorker.run`: tokenising, decoding off the loop, rewards, pushes into a
+  real Redis stream), with the staleness gate off and a backlog that never fills (nothing consumes).
+
+Each runs until `--groups` groups are done and reports generated tokens/s (response tokens of finished groups over
+the wall time from the first submission), the ratio to standalone vLLM, and, where nvidia-smi exists, the GPU's
+busy fraction over that time. The gap `vllm` → `engine` is the cost of driving vLLM step by step; `engine` →
+`worker` the cost of everything around it. Prints a table and writes `benchmarks/results/engine_generation.json`
+(or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from streamrl.config import Config, load_config
+
+ARRANGEMENTS = ("vllm", "engine", "worker")
+
+
+def _prompt_ids(config: Config, count: int) -> list[list[int]]:
+    """The first `count` prompts of engine 0's prompt stream, tokenised as the rollout loop does."""
+    from transformers import AutoTokenizer
+
+    from streamrl.rollout.prompts import PromptSource
+
+    tokenizer = AutoTokenizer.from_pretrained(str(config.model.path), trust_remote_code=config.model.trust_remote_code)
+    prompts = PromptSource(config.task, seed=config.run.seed * 1000)
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": next(prompts).text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for _ in range(count)
+    ]
+
+
+def _engine_kwargs(config: Config) -> dict[str, Any]:
+    rollout = config.rollout
+    eager = config.run.device == "cpu" if rollout.enforce_eager is None else rollout.enforce_eager
+    return dict(
+        kv_cache_bytes=rollout.kv_cache_bytes,
+        max_model_len=rollout.max_model_len,
+        dtype=rollout.dtype,
+        enforce_eager=eager,
+        seed=config.run.seed,
+    )
+
+
+def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any) -> dict[str, Any]:
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as the engine: the engine core in this process
+    from vllm import LLM, SamplingParams
+
+    rollout, kwargs = config.rollout, _engine_kwargs(config)
+    llm = LLM(
+        model=str(config.model.path),
+        dtype=kwargs["dtype"],
+        seed=kwargs["seed"],
+        max_model_len=kwargs["max_model_len"],
+        enforce_eager=kwargs["enforce_eager"],
+        kv_cache_memory_bytes=kwargs["kv_cache_bytes"],
+        logprobs_mode="processed_logprobs",
+        max_num_seqs=max_num_seqs,
+    )
+    params = SamplingParams(
+        n=rollout.n,
+        max_tokens=rollout.max_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        logprobs=0,
+        detokenize=False,
+    )
+    prompts = [{"prompt_token_ids": ids} for ids in _prompt_ids(config, groups)]
+    llm.generate(prompts[: min(8, groups)], params, use_tqdm=False)  # warm-up: first-call compilation stays out
+    sampler.start()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    return {"groups": len(outputs), "tokens": tokens, "wall_s": wall, "max_num_seqs": max_num_seqs}
+
+
+def _bare_engine(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
+    from streamrl.rollout.engine import VLLMEngine
+
+    rollout = config.rollout
+    engine = VLLMEngine(str(config.model.path), **_engine_kwargs(config))
+    prompts = _prompt_ids(config, groups)
+    engine.generate(prompts[: min(8, groups)], n=rollout.n, max_tokens=rollout.max_tokens)  # warm-up
+    submitted = done = tokens = 0
+    sampler.start()
+    started = time.perf_counter()
+    while done < groups:
+        while submitted < groups and submitted - done < rollout.prompts_per_batch:
+            engine.submit(
+                f"bench-{submitted}",
+                prompts[submitted],
+                rollout.n,
+                rollout.max_tokens,
+                rollout.temperature,
+                rollout.top_p,
+                detokenize=False,
+            )
+            submitted += 1
+        engine.step()
+        for samples in engine.pop_finished().values():
+            done += 1
+            tokens += sum(len(s.token_ids) for s in samples)
+    wall = time.perf_counter() - started
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    return {"groups": done, "tokens": tokens, "wall_s": wall, "max_num_seqs": scheduler.max_num_seqs}
+
+
+def _worker(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
+    from streamrl.queue.server import EmbeddedRedis
+    from streamrl.rollout.worker import RolloutWorker
+
+    server = EmbeddedRedis(Path(tempfile.mkdtemp()) / "redis").start()
+    try:
+        worker = RolloutWorker(config, 0, server.url, server.password)
+        worker.engine.generate([[1, 2, 3]], n=config.rollout.n, max_tokens=config.rollout.max_tokens)  # warm-up
+        loop = threading.Thread(target=worker.run, daemon=True)
+        sampler.start()
+        started = time.perf_counter()
+        loop.start()
+        while worker.outbox.groups_pushed < groups and loop.is_alive():
+            time.sleep(0.005)
+        wall = time.perf_counter() - started
+        pushed, tokens = worker.outbox.groups_pushed, worker.tokens_generated
+        worker.stop()
+        loop.join(timeout=60)
+        if pushed < groups:
+            raise RuntimeError(f"the rollout loop ended after {pushed} of {groups} groups")
+        return {"groups": pushed, "tokens": tokens, "wall_s": wall}
+    finally:
+        server.stop()
+
+
+def _run_one(args: argparse.Namespace, config: Config) -> dict[str, Any]:
+    """This process's arrangement (`--which`), with the GPU sampled while it generates (start-up excluded)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from e2e_async_vs_sync import GpuSampler
+
+    sampler = GpuSampler()
+    if args.which == "vllm":
+        row = _standalone(config, args.groups, args.max_num_seqs, sampler)
+    elif args.which == "engine":
+        row = _bare_engine(config, args.groups, sampler)
+    else:
+        row = _worker(config, args.groups, sampler)
+    sampler.stop()
+    return {"arrangement": args.which, **row, "gpu_busy": sampler.busy([0]) if sampler.samples else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", type=Path, required=True)
+    parser.add_argument("--groups", type=int, default=256, help="groups (prompts) each arrangement generates")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_generation.json"))
+    parser.add_argument("--which", choices=ARRANGEMENTS, help=argparse.SUPPRESS)  # one arrangement, in this process
+    parser.add_argument("--max-num-seqs", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    # Nothing consumes: no staleness gate, and a backlog the whole run fits in.
+    overrides = [*args.overrides, "queue.staleness_gate=false", f"queue.max_backlog={args.groups * 2}"]
+    config = load_config(args.config, overrides)
+    if args.which:
+        print("ROW " + json.dumps(_run_one(args, config)), flush=True)
+        return
+    from streamrl.orchestrate.driver import ensure_model
+
+    ensure_model(config)
+    rows: dict[str, dict[str, Any]] = {}
+    # The engine first: standalone vLLM then runs as many sequences at once as the engine could.
+    for which in ("engine", "vllm", "worker"):
+        command = [sys.executable, __file__, "-c", str(args.config), "--groups", str(args.groups), "--which", which]
+        if which == "vllm":
+            command += ["--max-num-seqs", str(rows["engine"]["max_num_seqs"])]
+        done = subprocess.run([*command, *args.overrides], capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+        if done.returncode != 0 or not lines:
+            sys.exit(f"{which}: exit {done.returncode}\n{done.stderr[-4000:]}")
+        rows[which] = json.loads(lines[-1][4:])
+        print(which, rows[which], flush=True)
+    baseline = rows["vllm"]["tokens"] / rows["vllm"]["wall_s"]
+    result = {"config": str(args.config), "overrides": args.overrides, "groups": args.groups, "rows": []}
+    print("| arrangement | groups | wall s | generated tok/s | vs standalone vLLM | GPU busy |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for which in ARRANGEMENTS:
+        row = rows[which]
+        rate = row["tokens"] / row["wall_s"]
+        result["rows"].append({**row, "tokens_per_s": rate, "vs_vllm": rate / baseline})
+        busy = "-" if row["gpu_busy"] is None else f"{row['gpu_busy']:.2f}"
+        print(f"| {which} | {row['groups']} | {row['wall_s']:.2f} | {rate:.0f} | {rate / baseline:.2f} | {busy} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
