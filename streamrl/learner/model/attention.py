@@ -12,8 +12,12 @@ attention both ran slower than cuDNN's attention on the sequences themselves).
   the result is `[T, heads * d]`. Sequences of similar length share one SDPA call as a right-padded batch
   (`attention_buckets`): under a causal mask a real query never sees a padding key, and padding queries are
   dropped, so the result is each sequence's own attention, while a micro-batch of hundreds of short RL responses
-  costs a few calls instead of one per sequence. RoPE restarting at 0 per sequence is Megatron's part:
-  `SelfAttention` applies it per `cu_seqlens` segment before calling this module.
+  costs a few calls instead of one per sequence. The padded rows are gathered in and the real rows gathered back
+  out, and both backwards are gathers too (`_ToPadded`, `_FromPadded`): a padding row's gradient is exactly zero
+  (its output is dropped, and no real query sees it), so each real row takes its gradient from its own slot, with
+  no accumulating scatter (whose sort, on the GPU, cost more than the attention's own forward kernels). RoPE
+  restarting at 0 per sequence is Megatron's part: `SelfAttention` applies it per `cu_seqlens` segment before
+  calling this module.
 - Packed under context parallelism (CP group of c > 1 ranks, `streamrl.learner.context_parallel`): each rank holds
   the zigzag shard of every sequence (`T / c` rows) and `cu_seqlens_q` are the padded *global* boundaries (every
   length a multiple of 2c), as Megatron's packed RoPE expects. Keys and values are all-gathered over the CP group
@@ -88,6 +92,41 @@ def _padded_plan(
         shapes.append((len(bucket), longest))
     as_index = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
     return shapes, as_index(np.concatenate(rows)), as_index(back)
+
+
+class _ToPadded(torch.autograd.Function):
+    """Packed rows [T, ...] -> the buckets' padded rows [P, ...] (`rows`: the packed row each comes from; a padding
+    slot repeats its sequence's first row). Backward: each packed row's gradient is that of its own slot (`back`),
+    the padding slots' gradients being zero (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, packed: torch.Tensor, rows: torch.Tensor, back: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        return packed.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (back,) = ctx.saved_tensors
+        return grad.index_select(0, back), None, None
+
+
+class _FromPadded(torch.autograd.Function):
+    """The buckets' padded rows [P, ...] -> the packed rows [T, ...] (`back`: each packed row's slot). Backward: the
+    padded gradient holds each packed row's gradient in its slot and zeros in the padding slots."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, padded: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        ctx.padded_rows = padded.shape[0]
+        return padded.index_select(0, back)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (back,) = ctx.saved_tensors
+        padded = grad.new_zeros(ctx.padded_rows, *grad.shape[1:])
+        return padded.index_copy_(0, back, grad), None
 
 
 class PackedSequenceAttention(MegatronModule):
@@ -169,19 +208,19 @@ class PackedSequenceAttention(MegatronModule):
         bounds = cu_seqlens.tolist()
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens: must run from 0 to the packed length {query.shape[0]}, got {bounds}")
-        # One gather of the buckets' padded rows and one `split` into buckets (the backward: one scatter-add and
-        # one `cat`, where a gather or slice per bucket would each add a zero-filled full-size gradient), one SDPA
+        # One gather of the buckets' padded rows and one `split` into buckets (the backward: one gather and one
+        # `cat`, where a gather or slice per bucket would each add a zero-filled full-size gradient), one SDPA
         # call per bucket, one gather of the real rows back.
         shapes, rows, back = _padded_plan(tuple(bounds), query.device)
         sizes = [count * longest for count, longest in shapes]
-        padded = [t.split(sizes) for t in (query[rows], key[rows], value[rows])]
+        padded = [_ToPadded.apply(t, rows, back).split(sizes) for t in (query, key, value)]
         outputs = [
             self._attend(*(t.view(count, longest, *t.shape[1:]).transpose(1, 2) for t in qkv), is_causal=True)
             .transpose(1, 2)
             .reshape(count * longest, -1)
             for (count, longest), qkv in zip(shapes, zip(*padded, strict=True), strict=True)
         ]
-        return torch.cat(outputs)[back]
+        return _FromPadded.apply(torch.cat(outputs), back)
 
     def _context_parallel(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor

@@ -1,5 +1,5 @@
-"""streamrl.learner.model.fused_paths: the gather-only MoE permutation and the packed-sequence RoPE equal Megatron's own,
-forward and backward."""
+"""streamrl.learner.model.fused_paths: the gather-only MoE permutation and the packed-sequence RoPE equal
+Megatron's own, forward and backward."""
 
 from __future__ import annotations
 
