@@ -1,13 +1,16 @@
 """End to end: asynchronous streaming against the synchronous loop, the same program on the same GPUs.
 
-Usage: `python benchmarks/e2e_async_vs_sync.py -c CONFIG [--steps 30] [--staleness 1 2 4] [--colocated] [--out PATH]
-[override ...]`. For each arrangement — `train.mode=sync`; with `--colocated` also the colocated synchronous one
+Usage: `python benchmarks/e2e_async_vs_sync.py -c CONFIG [--steps 30] [--staleness 1 2 4] [--colocated]
+[--warmup-steps 2] [--only ARRANGEMENT ...] [--out PATH] [override ...]`. For each arrangement — `train.mode=sync`; with `--colocated` also the colocated synchronous one
 (the same GPUs, every one shared by a learner rank and an engine: learner data-parallel and engines scaled up to all
 of them, engines asleep while the learner trains); then async at each `queue.max_staleness` — it starts the
 job (engines, learner, Redis), then times `--steps` steps from the first step on (start-up excluded), sampling every
-GPU's utilisation with nvidia-smi every 0.5 s, and reports: generated and trained tokens/s, wall time, the GPU busy
-fraction of the engines' and the learner's GPUs, policy lag, publish time, the step time split, stale drops and
-the reward per consumed sample (every step consumes the same number of samples). The async backlog is
+GPU's utilisation with nvidia-smi every 0.5 s, and reports: generated and trained tokens/s and the step time split in
+the steady state (the steps after `--warmup-steps`, whose first compiles the learner's kernels, over their own
+iterations' wall time), the whole run's wall time and its first step's, the GPU busy fraction of the engines' and
+the learner's GPUs (over the whole run), policy lag, publish time, stale drops and the reward per consumed sample (every step consumes the
+same number of samples). `--only sync colocated async-2 ...` runs a subset (a long comparison split over several
+invocations). The async backlog is
 `staleness + 1` steps of groups, everything the staleness gate lets into the system (the gate, not the backlog,
 keeps the lag of consumed groups within the bound; a smaller backlog would keep finished groups out of the stream
 while the learner waits for them); sync holds one step.
@@ -85,7 +88,7 @@ def arrangement(base: Config, mode: str, staleness: int) -> Config:
     return Config.model_validate(tree)
 
 
-def measure(config: Config, mode: str) -> dict[str, Any]:
+def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
     prepare_run(config)
     sampler = GpuSampler()
     with Cluster(config) as cluster:
@@ -96,10 +99,19 @@ def measure(config: Config, mode: str) -> dict[str, Any]:
         wall_s = time.perf_counter() - start
         sampler.stop()
     history = result.history
-    trained = sum(row["perf/tokens_per_s"] * row["perf/step_time_s"] for row in history)
+    if len(history) <= warmup:
+        raise ValueError(f"--warmup-steps {warmup}: the run made only {len(history)} steps")
+    # Steady state: the steps after the warm-up ones (whose first step compiles the learner's kernels), over the
+    # wall time of their own iterations.
+    steady = history[warmup:]
+    steady_s = sum(row["perf/iteration_s"] for row in steady)
+    before = history[warmup - 1]["rollout/tokens_generated"] if warmup else 0.0
+
+    def trained(rows: list[dict[str, Any]]) -> float:
+        return sum(row["perf/tokens_per_s"] * row["perf/step_time_s"] for row in rows)
 
     def mean(key: str) -> float:
-        return statistics.fmean(row.get(key, 0.0) for row in history)
+        return statistics.fmean(row.get(key, 0.0) for row in steady)
 
     rewards = [row["rollout/reward_mean"] for row in history]
     quarter = max(1, len(rewards) // 4)
@@ -108,18 +120,23 @@ def measure(config: Config, mode: str) -> dict[str, Any]:
         "max_staleness": config.queue.max_staleness,
         "max_backlog": config.queue.max_backlog,
         "steps": len(history),
+        "warmup_steps": warmup,
         "wall_s": wall_s,
         "generated_tokens_per_s": history[-1]["rollout/tokens_generated"] / wall_s,
-        "trained_tokens_per_s": trained / wall_s,
+        "trained_tokens_per_s": trained(history) / wall_s,
+        "steady_s": steady_s,
+        "steady_generated_tokens_per_s": (history[-1]["rollout/tokens_generated"] - before) / steady_s,
+        "steady_trained_tokens_per_s": trained(steady) / steady_s,
         "engine_gpu_busy": sampler.busy([g for e in placement["engines"] for g in e["gpus"]]),
         "learner_gpu_busy": sampler.busy([g for r in placement["learners"] for g in r["gpus"]]),
         "learner_compute_fraction": sum(
             row["perf/forward_backward_s"] + row["perf/optimizer_s"] + row.get("perf/grad_reduce_s", 0.0)
-            for row in history
+            for row in steady
         )
-        / wall_s,
+        / steady_s,
         "policy_lag_mean": mean("queue/policy_lag_mean"),
         "dropped_stale": history[-1]["queue/dropped_stale"],
+        "first_step_s": history[0]["perf/iteration_s"],
         "step_s": mean("perf/step_time_s"),
         "wait_s": mean("queue/wait_s"),
         "forward_backward_s": mean("perf/forward_backward_s"),
@@ -140,9 +157,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--colocated", action="store_true", help="also the colocated synchronous arrangement")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=2, help="steps left out of the steady-state figures (compilation)"
+    )
+    parser.add_argument(
+        "--only", nargs="+", help="run only these arrangements (sync, colocated, async-S): a run split over calls"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_async_vs_sync.json"))
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
+        parser.error(f"--warmup-steps: {args.warmup_steps} must be in [0, --steps)")
     base = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -150,25 +175,29 @@ def main() -> None:
     # under run.dir/<mode>-<staleness>/logs say where it stopped).
     synchronous = [("sync", 1)] + ([("colocated", 1)] if args.colocated else [])
     for mode, staleness in synchronous + [("async", s) for s in args.staleness]:
+        if args.only and (mode if mode != "async" else f"async-{staleness}") not in args.only:
+            continue
         print(f"{mode}, max_staleness {staleness}: running {args.steps} steps", flush=True)
-        runs.append(measure(arrangement(base, mode, staleness), mode))
+        runs.append(measure(arrangement(base, mode, staleness), mode, args.warmup_steps))
         print({k: v for k, v in runs[-1].items() if k != "placement"}, flush=True)
         summary = {"config": str(args.config), "overrides": args.overrides, "runs": runs}
         args.out.write_text(json.dumps(summary, indent=1))
-    # Against the faster synchronous arrangement.
-    sync = max(r["trained_tokens_per_s"] for r in runs if r["mode"] != "async")
+    # Steady state, against the faster synchronous arrangement (when this run has one).
+    synced = [r["steady_trained_tokens_per_s"] for r in runs if r["mode"] != "async"]
+    sync = max(synced) if synced else None
     print(
-        "| mode | staleness | wall s | gen tok/s | trained tok/s | vs best sync | engine GPU busy | learner GPU busy | "
-        "lag | drops | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample |"
+        "| mode | staleness | wall s | first step s | gen tok/s | trained tok/s | vs best sync | engine GPU busy | "
+        "learner GPU busy | lag | drops | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 17)
     for r in runs:
         busy = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("engine_gpu_busy", "learner_gpu_busy")]
+        ratio = "-" if sync is None else f"{r['steady_trained_tokens_per_s'] / sync:.2f}"
         print(
-            f"| {r['mode']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-            f"{r['trained_tokens_per_s']:.0f} | {r['trained_tokens_per_s'] / sync:.2f} | {busy[0]} | {busy[1]} | "
-            f"{r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | {r['generate_wait_s']:.3f} | "
-            f"{r['step_s']:.3f} | {r['wait_s']:.3f} | "
+            f"| {r['mode']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['first_step_s']:.1f} | "
+            f"{r['steady_generated_tokens_per_s']:.0f} | {r['steady_trained_tokens_per_s']:.0f} | {ratio} | "
+            f"{busy[0]} | {busy[1]} | {r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | "
+            f"{r['generate_wait_s']:.3f} | {r['step_s']:.3f} | {r['wait_s']:.3f} | "
             f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} |"
         )
     print(f"wrote {args.out}")

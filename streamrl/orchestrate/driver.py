@@ -159,6 +159,7 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         published, logged = first, first  # the engines' version; the last step logged
         step = first + 1
         while step <= train.steps:
+            began = time.perf_counter()
             turns: dict[str, float] = {}  # sync mode: the engines' turn before the learner's
             try:
                 if config.colocated:  # the engines' turn: the learner's state to the host, the engines awake
@@ -190,6 +191,8 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
                 metrics.update(save_checkpoint(cluster, step))  # drain: the step's update is committed
             metrics.update(cluster.engine_stats())
             metrics["train/learner_restarts"] = cluster.learner_group.restarts
+            # The whole iteration as a user waits for it (sync: the engines' turn too; publish and checkpoint).
+            metrics["perf/iteration_s"] = time.perf_counter() - began
             if step > logged:  # a step re-trained after a learner restart was logged before it
                 monitor.log(step, metrics)
                 logged = step

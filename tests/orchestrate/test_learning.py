@@ -92,8 +92,11 @@ def test_learning(tmp_path: Path) -> None:
         "perf/optimizer_s",
         "perf/model_tflops_per_rank",
         "perf/peak_memory_gib",
+        "perf/iteration_s",
     ):
         assert all(np.isfinite(row[key]) for row in history), key
+    # The driver's whole iteration holds the learner's step.
+    assert all(row["perf/iteration_s"] >= row["perf/step_time_s"] for row in history)
     assert history[-1]["rollout/engine_version"] == config.train.steps
     assert (config.run.dir / "config.yaml").exists()
 
