@@ -1,16 +1,16 @@
 """End to end: asynchronous streaming against the synchronous loop, the same program on the same GPUs.
 
 Usage: `python benchmarks/e2e_async_vs_sync.py -c CONFIG [--steps 30] [--staleness 1 2 4] [--colocated]
-[--warmup-steps 2] [--only ARRANGEMENT ...] [--out PATH] [override ...]`. For each arrangement — `train.mode=sync`; with `--colocated` also the colocated synchronous one
-(the same GPUs, every one shared by a learner rank and an engine: learner data-parallel and engines scaled up to all
-of them, engines asleep while the learner trains); then async at each `queue.max_staleness` — it starts the
-job (engines, learner, Redis), then times `--steps` steps from the first step on (start-up excluded), sampling every
-GPU's utilisation with nvidia-smi every 0.5 s, and reports: generated and trained tokens/s and the step time split in
-the steady state (the steps after `--warmup-steps`, whose first compiles the learner's kernels, over their own
-iterations' wall time), the whole run's wall time and its first step's, the GPU busy fraction of the engines' and
-the learner's GPUs (over the whole run), policy lag, publish time, stale drops and the reward per consumed sample (every step consumes the
-same number of samples). `--only sync colocated async-2 ...` runs a subset (a long comparison split over several
-invocations). The async backlog is
+[--warmup-steps 2] [--only ARRANGEMENT ...] [--out PATH] [override ...]`. For each arrangement — `train.mode=sync`;
+with `--colocated` also the colocated synchronous one (the same GPUs, every one shared by a learner rank and an
+engine: learner data-parallel and engines scaled up to all of them, engines asleep while the learner trains); then
+async at each `queue.max_staleness` — it starts the job (engines, learner, Redis), then times `--steps` steps from the
+first step on (start-up excluded), sampling every GPU's utilisation with nvidia-smi every 0.5 s, and reports:
+generated and trained tokens/s and the step time split in the steady state (the steps after `--warmup-steps`, whose
+first compiles the learner's kernels, over their own iterations' wall time), the whole run's wall time and its first
+step's, the GPU busy fraction of the engines' and the learner's GPUs (over the whole run), policy lag, publish time,
+stale drops and the reward per consumed sample (every step consumes the same number of samples). `--only sync
+colocated async-2 ...` runs a subset (a long comparison split over several invocations). The async backlog is
 `staleness + 1` steps of groups, everything the staleness gate lets into the system (the gate, not the backlog,
 keeps the lag of consumed groups within the bound; a smaller backlog would keep finished groups out of the stream
 while the learner waits for them); sync holds one step.
@@ -23,49 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from gpu_sampler import GpuSampler
+
 from streamrl.config import Config, load_config
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, run_steps
-
-
-class GpuSampler:
-    """nvidia-smi's utilisation of every GPU, sampled every 0.5 s on a thread until stopped."""
-
-    def __init__(self) -> None:
-        self.samples: dict[int, list[float]] = {}
-        self._process: subprocess.Popen[str] | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if shutil.which("nvidia-smi") is None:
-            return
-        command = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "500"]
-        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        assert self._process is not None and self._process.stdout is not None
-        for line in self._process.stdout:
-            index, utilisation = (part.strip() for part in line.split(","))
-            self.samples.setdefault(int(index), []).append(float(utilisation) / 100)
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            self._process.wait(timeout=10)
-
-    def busy(self, gpus: list[int]) -> float | None:
-        values = [v for g in gpus for v in self.samples.get(g, [])]
-        return statistics.fmean(values) if values else None
 
 
 def arrangement(base: Config, mode: str, staleness: int) -> Config:

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_sampler import GpuSampler
+
 from streamrl.config import Config, load_config
 
 ARRANGEMENTS = ("vllm", "engine", "worker")
@@ -158,9 +160,6 @@ def _worker(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
 
 def _run_one(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     """This process's arrangement (`--which`), with the GPU sampled while it generates (start-up excluded)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from e2e_async_vs_sync import GpuSampler
-
     sampler = GpuSampler()
     if args.which == "vllm":
         row = _standalone(config, args.groups, args.max_num_seqs, sampler)

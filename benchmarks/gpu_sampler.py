@@ -1,0 +1,44 @@
+"""Every GPU's utilisation by nvidia-smi, sampled on a thread: the benchmarks' "GPU busy" columns.
+
+Contract: `GpuSampler().start()` samples every GPU every 0.5 s until `stop()`; `busy(gpus)` is the mean utilisation
+(0-1) of those GPU indices over the samples, None where nvidia-smi is absent (CPU) or gave none.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import threading
+
+
+class GpuSampler:
+    """nvidia-smi's utilisation of every GPU, sampled every 0.5 s on a thread until stopped."""
+
+    def __init__(self) -> None:
+        self.samples: dict[int, list[float]] = {}
+        self._process: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if shutil.which("nvidia-smi") is None:
+            return
+        command = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "500"]
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            index, utilisation = (part.strip() for part in line.split(","))
+            self.samples.setdefault(int(index), []).append(float(utilisation) / 100)
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+
+    def busy(self, gpus: list[int]) -> float | None:
+        values = [v for g in gpus for v in self.samples.get(g, [])]
+        return statistics.fmean(values) if values else None
