@@ -1,10 +1,15 @@
 """An engine's generation against standalone vLLM on the same device, model, prompts and batch.
 
-Usage: `python benchmarks/engine_generation.py -c CONFIG [--groups 256] [--out PATH] [override ...]`. Three
+Usage: `python benchmarks/engine_generation.py -c CONFIG [--groups 256] [--out PATH] [override ...]`. Five
 arrangements, each in a process of its own (one vLLM per process), on the config's model, task and rollout settings:
 
 - `vllm`: standalone vLLM, `LLM.generate` on all the prompts at once, `n` samples each, at most as many sequences
-  running as the engine keeps in flight (`max_num_seqs`), with the engine's sampling (behaviour log-probs, no text);
+  running as the engine keeps in flight (`max_num_seqs`), with the engine's sampling (behaviour log-probs, no text),
+  its engine core in the calling process as the engine's is;
+- `vllm-process`: the same with vLLM's engine core in a process of its own (scheduling and the model in a busy loop
+  there while the caller turns outputs into results), and `vllm-process-async` also with vLLM's async scheduling
+  (the next step scheduled while one runs; vLLM turns it off where the platform lacks it, CPU among them: the
+  column says what ran). These two are ceilings for an engine that would drive vLLM that way;
 - `engine`: streamrl's `VLLMEngine` stepped by a bare loop that keeps `rollout.prompts_per_batch` prompts in flight
   (vLLM driven step by step, every token stamped with its version, as the rollout loop does);
 - `worker`: the whole rollout loop (`RolloutWorker.run`: tokenising, decoding off the loop, rewards, pushes into a
@@ -13,7 +18,8 @@ arrangements, each in a process of its own (one vLLM per process), on the config
 Each runs until `--groups` groups are done and reports generated tokens/s (response tokens of finished groups over
 the wall time from the first submission), the ratio to standalone vLLM, and, where nvidia-smi exists, the GPU's
 busy fraction over that time. The gap `vllm` → `engine` is the cost of driving vLLM step by step; `engine` →
-`worker` the cost of everything around it. Prints a table and writes `benchmarks/results/engine_generation.json`
+`worker` the cost of everything around it; `vllm` → `vllm-process(-async)` what overlapping vLLM's host work with
+the device's would gain. Prints a table and writes `benchmarks/results/engine_generation.json`
 (or `--out`).
 """
 
@@ -33,7 +39,7 @@ from gpu_sampler import GpuSampler
 
 from streamrl.config import Config, load_config
 
-ARRANGEMENTS = ("vllm", "engine", "worker")
+ARRANGEMENTS = ("vllm", "vllm-process", "vllm-process-async", "engine", "worker")
 
 
 def _prompt_ids(config: Config, count: int) -> list[list[int]]:
@@ -67,10 +73,12 @@ def _engine_kwargs(config: Config) -> dict[str, Any]:
     )
 
 
-def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any) -> dict[str, Any]:
+def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, variant: str) -> dict[str, Any]:
     import os
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as the engine: the engine core in this process
+    # `vllm`: the engine core in this process, as the engine runs it; the others in a process of its own (stepping
+    # in a busy loop while this one handles outputs), `-async` also scheduling the next step while one runs.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if variant == "vllm" else "1"
     from vllm import LLM, SamplingParams
 
     rollout, kwargs = config.rollout, _engine_kwargs(config)
@@ -83,7 +91,10 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any) ->
         kv_cache_memory_bytes=kwargs["kv_cache_bytes"],
         logprobs_mode="processed_logprobs",
         max_num_seqs=max_num_seqs,
+        **({"async_scheduling": True} if variant.endswith("-async") else {}),
     )
+    # What vLLM kept (it turns async scheduling off where the platform lacks it, CPU among them).
+    async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     params = SamplingParams(
         n=rollout.n,
         max_tokens=rollout.max_tokens,
@@ -99,7 +110,13 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any) ->
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started
     tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    return {"groups": len(outputs), "tokens": tokens, "wall_s": wall, "max_num_seqs": max_num_seqs}
+    return {
+        "groups": len(outputs),
+        "tokens": tokens,
+        "wall_s": wall,
+        "max_num_seqs": max_num_seqs,
+        "async_scheduling": async_scheduling,
+    }
 
 
 def _bare_engine(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
@@ -161,8 +178,8 @@ def _worker(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
 def _run_one(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     """This process's arrangement (`--which`), with the GPU sampled while it generates (start-up excluded)."""
     sampler = GpuSampler()
-    if args.which == "vllm":
-        row = _standalone(config, args.groups, args.max_num_seqs, sampler)
+    if args.which.startswith("vllm"):
+        row = _standalone(config, args.groups, args.max_num_seqs, sampler, args.which)
     elif args.which == "engine":
         row = _bare_engine(config, args.groups, sampler)
     else:
@@ -191,9 +208,9 @@ def main() -> None:
     ensure_model(config)
     rows: dict[str, dict[str, Any]] = {}
     # The engine first: standalone vLLM then runs as many sequences at once as the engine could.
-    for which in ("engine", "vllm", "worker"):
+    for which in ("engine", *(a for a in ARRANGEMENTS if a != "engine")):
         command = [sys.executable, __file__, "-c", str(args.config), "--groups", str(args.groups), "--which", which]
-        if which == "vllm":
+        if which.startswith("vllm"):
             command += ["--max-num-seqs", str(rows["engine"]["max_num_seqs"])]
         done = subprocess.run([*command, *args.overrides], capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
@@ -203,14 +220,18 @@ def main() -> None:
         print(which, rows[which], flush=True)
     baseline = rows["vllm"]["tokens"] / rows["vllm"]["wall_s"]
     result = {"config": str(args.config), "overrides": args.overrides, "groups": args.groups, "rows": []}
-    print("| arrangement | groups | wall s | generated tok/s | vs standalone vLLM | GPU busy |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| arrangement | groups | wall s | generated tok/s | vs standalone vLLM | async scheduling | GPU busy |")
+    print("|---|---:|---:|---:|---:|---|---:|")
     for which in ARRANGEMENTS:
         row = rows[which]
         rate = row["tokens"] / row["wall_s"]
         result["rows"].append({**row, "tokens_per_s": rate, "vs_vllm": rate / baseline})
         busy = "-" if row["gpu_busy"] is None else f"{row['gpu_busy']:.2f}"
-        print(f"| {which} | {row['groups']} | {row['wall_s']:.2f} | {rate:.0f} | {rate / baseline:.2f} | {busy} |")
+        scheduling = {True: "on", False: "off"}.get(row.get("async_scheduling"), "-")
+        print(
+            f"| {which} | {row['groups']} | {row['wall_s']:.2f} | {rate:.0f} | {rate / baseline:.2f} | "
+            f"{scheduling} | {busy} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
