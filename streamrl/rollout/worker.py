@@ -1,16 +1,15 @@
 """A rollout engine process: prompts → vLLM → rewards → Redis stream, continuously.
 
 Threads of the actor and what they own:
-- the loop (`run()`): the only thread that touches vLLM. It keeps `prompts_per_batch` prompts in
-  flight (continuous batching), steps the engine (vLLM samples tokens only: no text is built as it decodes),
-  hands each finished group to the decoder thread and the decoded ones to the reward pool
-  (`streamrl.rewards.RewardPool`: threads or processes, every call bounded) and the scored ones to the outbox, and
-  between two steps applies a received weight version (in flight: running requests continue and
-  recompute their KV; `rollout.weight_update=drain`: new prompts wait until the engine is empty).
-  Finished groups go to the outbox (`outbox.py`), whose thread pushes them: the loop never waits on Redis.
-  While the stream's backlog is at `queue.max_backlog` and the outbox is full, it submits no new prompts
-  but keeps applying weight updates, so backpressure can never deadlock a publish. In async mode it also starts no
-  group that would be trained more than `queue.max_staleness` versions behind (`staleness_gate.py`).
+- the loop (`run()`): the only thread that touches vLLM. It keeps `prompts_per_batch` prompts in flight (continuous
+  batching), steps the engine (vLLM samples tokens only: no text is built as it decodes), hands each finished group
+  to the decoder thread and the decoded ones to the reward pool (`streamrl.rewards.RewardPool`: threads or
+  processes, every call bounded) and the scored ones to the outbox, and between two steps applies a received weight
+  version (in flight: running requests continue and recompute their KV; `rollout.weight_update=drain`: new prompts
+  wait until the engine is empty). Finished groups go to the outbox (`outbox.py`), whose thread pushes them: the
+  loop never waits on Redis. While the stream's backlog is at `queue.max_backlog` and the outbox is full, it submits
+  no new prompts but keeps applying weight updates, so backpressure can never deadlock a publish. In async mode it
+  also starts no group that would be trained more than `queue.max_staleness` versions behind (`staleness_gate.py`).
 - the decoder: turns each finished group's token ids into the text its rewards read.
 - the outbox's pusher: the only thread that writes to the stream (and encodes the groups it pushes).
 - receivers (`receive_weights()`): `version_receiver.py` receives each version (staged, streamed, or in the vLLM
@@ -103,6 +102,8 @@ class RolloutWorker:
             tensor_parallel=rollout.tensor_parallel,
             expert_parallel=rollout.expert_parallel > 1,
             sleep_mode=config.colocated and config.run.device == "cuda",
+            engine_process=rollout.engine_process,
+            async_scheduling=rollout.async_scheduling,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(config.model.path), trust_remote_code=config.model.trust_remote_code

