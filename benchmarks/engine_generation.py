@@ -19,9 +19,9 @@ Each runs until `--groups` groups are done and reports generated tokens/s (respo
 the wall time from the first submission), the ratio to standalone vLLM, and, where nvidia-smi exists, the GPU's
 busy fraction over that time. `engine` and `worker` run the engine as the config says: with
 `rollout.engine_process=true rollout.async_scheduling=true` among the overrides they drive vLLM's core in a process
-of its own, against the same standalone ceilings. The gap `vllm` → `engine` is the cost of driving vLLM step by step; `engine` →
-`worker` the cost of everything around it; `vllm` → `vllm-process(-async)` what overlapping vLLM's host work with
-the device's would gain. Prints a table and writes `benchmarks/results/engine_generation.json`
+of its own, against the same standalone ceilings. The gap `vllm` → `engine` is the cost of driving vLLM step by
+step; `engine` → `worker` the cost of everything around it; `vllm` → `vllm-process(-async)` what overlapping vLLM's
+host work with the device's would gain. Prints a table and writes `benchmarks/results/engine_generation.json`
 (or `--out`).
 """
 
