@@ -18,10 +18,10 @@ in megatron-core 0.16.1, the unfused code that Transformer Engine's fusions woul
   `streamrl.learner.model.fused.rotary` (one kernel each way on the GPU) when the rotation is non-interleaved,
   covers the whole head, is not MLA's and has mscale 1; otherwise Megatron's own code.
 - RoPE of packed sequences (`_apply_rotary_pos_emb_thd`, context-parallel size 1): Megatron slices the frequencies
-  sequence by sequence in Python (a host sync for the lengths, then a slice per sequence and a `cat`, for q and k of
-  every layer: thousands of launches a micro-batch of short RL responses). Here each token's position in its
-  sequence comes from `cu_seqlens` in three kernels and one gather picks the frequencies; the same frequencies, so
-  the same result. With context parallelism, Megatron's own code.
+  sequence by sequence in Python (the lengths read into a list, then a slice per sequence and a `cat`, for q and k of
+  every layer: thousands of operations a micro-batch of short RL responses). Here each token's position in its
+  sequence comes from `cu_seqlens` in a few vector operations and one gather picks the frequencies; the same
+  frequencies, so the same result. With context parallelism, Megatron's own code.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _rotary_thd(
     else:
         starts = cu_seqlens[:-1].long()
         lengths = cu_seqlens[1:].long() - starts
-        # output_size: no host sync for the length of the result.
+        # output_size: the result's length is known, never read back from where the lengths live.
         offsets = torch.repeat_interleave(starts, lengths, output_size=tokens)
         packed = freqs[torch.arange(tokens, device=offsets.device) - offsets]
     return rope_utils._apply_rotary_pos_emb_bshd(
