@@ -5,7 +5,8 @@ group broadcast and its statistics as device tensors), NCCL weight groups, vLLM 
 and weights updated in place, and checkpoints of CUDA tensors. The parity test publishes twice into a bf16 engine
 from a bf16 learner and compares log-probs at the bf16 tolerance below; on 4 GPUs the same from a TP=2 learner into
 an engine of 2 GPUs (tensor parallel, and a MoE with its experts split over the engine's GPUs), whose workers each
-receive the versions and keep their own shards. The colocated test shares both GPUs between the learner and the
+receive the versions and keep their own shards; and into an engine that drives vLLM's core in a process of its own
+with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the learner and the
 engines (sync mode, vLLM sleeping while the learner trains).
 """
 
@@ -90,6 +91,17 @@ def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[
 def test_bf16_logprob_parity_after_publishes(tmp_path: Path) -> None:
     gap = _bf16_parity_gap(tiny_config(tmp_path, *GPU, *BF16, "wandb.mode=disabled"))
     print(f"bf16 parity after two publishes: max |engine - learner| = {gap:.4f}")
+    assert gap <= BF16_PARITY_TOL
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_bf16_parity_through_an_engine_core_of_its_own_with_async_scheduling(tmp_path: Path) -> None:
+    """`rollout.engine_process` with vLLM's async scheduling: a step is always in flight in the core's process, so each
+    version must land with the core paused and drained (`VLLMEngine._between_steps`); parity after two publishes."""
+    process = ["rollout.engine_process=true", "rollout.async_scheduling=true"]
+    gap = _bf16_parity_gap(tiny_config(tmp_path, *GPU, *BF16, *process, "wandb.mode=disabled"))
+    print(f"bf16 parity through an engine core of its own: max |engine - learner| = {gap:.4f}")
     assert gap <= BF16_PARITY_TOL
 
 
