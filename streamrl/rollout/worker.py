@@ -83,6 +83,7 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from streamrl.rollout.engine import VLLMEngine
+        from streamrl.rollout.engine_settings import engine_settings
 
         started = time.perf_counter()
         if gpu_ids:  # a colocated engine of several GPUs: Ray gave the actor one of them (`Placement.engine_gpu_ids`)
@@ -90,21 +91,7 @@ class RolloutWorker:
         self.config, self.engine_id = config, f"engine-{engine_index}"
         to_run_logs(config.run.dir, self.engine_id, config.run.verbose)
         rollout = config.rollout
-        self.engine = VLLMEngine(
-            str(config.model.path),
-            kv_cache_bytes=rollout.kv_cache_bytes,
-            max_model_len=rollout.max_model_len,
-            dtype=rollout.dtype,
-            enforce_eager=config.run.device == "cpu" if rollout.enforce_eager is None else rollout.enforce_eager,
-            seed=config.run.seed + engine_index,
-            record_routes=config.loss.routing_replay == "rollout",
-            trust_remote_code=config.model.trust_remote_code,
-            tensor_parallel=rollout.tensor_parallel,
-            expert_parallel=rollout.expert_parallel > 1,
-            sleep_mode=config.colocated and config.run.device == "cuda",
-            engine_process=rollout.engine_process,
-            async_scheduling=rollout.async_scheduling,
-        )
+        self.engine = VLLMEngine(str(config.model.path), **engine_settings(config, engine_index))
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(config.model.path), trust_remote_code=config.model.trust_remote_code
         )
