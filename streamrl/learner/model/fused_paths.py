@@ -20,12 +20,15 @@ in megatron-core 0.16.1, the unfused code that Transformer Engine's fusions woul
 - RoPE of packed sequences (`_apply_rotary_pos_emb_thd`, context-parallel size 1): Megatron slices the frequencies
   sequence by sequence in Python (the lengths read into a list, then a slice per sequence and a `cat`, for q and k of
   every layer: thousands of operations a micro-batch of short RL responses). Here each token's position in its
-  sequence comes from `cu_seqlens` in a few vector operations and one gather picks the frequencies; the same
-  frequencies, so the same result. With context parallelism, Megatron's own code.
+  sequence comes from `cu_seqlens` (computed once per micro-batch, on the host) and one gather picks the frequencies;
+  the same frequencies, so the same result. With context parallelism, Megatron's own code.
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -151,6 +154,14 @@ def _rotary_bshd(
     return rotary(t, freqs)
 
 
+@functools.lru_cache(maxsize=8)  # q and k of every layer of a micro-batch ask for the same boundaries
+def _positions_in_sequences(bounds: tuple[int, ...], device: torch.device) -> Tensor:
+    """Each packed token's position in its own sequence, for packed boundaries `bounds` (0 .. total)."""
+    starts = np.asarray(bounds[:-1])
+    positions = np.arange(bounds[-1]) - np.repeat(starts, np.diff(bounds))
+    return torch.from_numpy(positions).to(device)
+
+
 def _rotary_thd(
     t: Tensor,
     cu_seqlens: Tensor,
@@ -171,11 +182,7 @@ def _rotary_thd(
         # starting at its offset): its slices put together are freqs[:tokens] itself.
         packed = freqs
     else:
-        starts = cu_seqlens[:-1].long()
-        lengths = cu_seqlens[1:].long() - starts
-        # output_size: the result's length is known, never read back from where the lengths live.
-        offsets = torch.repeat_interleave(starts, lengths, output_size=tokens)
-        packed = freqs[torch.arange(tokens, device=offsets.device) - offsets]
+        packed = freqs[_positions_in_sequences(tuple(cu_seqlens.tolist()), freqs.device)]
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
         packed,
