@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -56,6 +58,9 @@ def arrangement(base: Config, mode: str, staleness: int) -> Config:
 
 
 def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
+    # A fresh run directory: an earlier invocation's journal there, with no checkpoint, would be resumed, and its
+    # steps re-trained from the journal instead of generated (and its Redis would hold its queue and versions).
+    shutil.rmtree(config.run.dir, ignore_errors=True)
     prepare_run(config)
     sampler = GpuSampler()
     with Cluster(config) as cluster:
@@ -135,6 +140,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
         parser.error(f"--warmup-steps: {args.warmup_steps} must be in [0, --steps)")
+    for name in args.only or []:
+        # `--only` takes every word after it: overrides written after it would silently become arrangements.
+        if not re.fullmatch(r"sync|colocated|async-\d+", name):
+            parser.error(f"--only: {name!r} is not an arrangement (sync, colocated, async-S); overrides go before --only")
     base = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = []

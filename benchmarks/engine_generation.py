@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_sampler import GpuSampler
+from gpu_sampler import GpuSampler, visible_gpu
 
 from streamrl.config import Config, load_config
 
@@ -178,7 +178,7 @@ def _run_one(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     else:
         row = _worker(config, args.groups, sampler)
     sampler.stop()
-    return {"arrangement": args.which, **row, "gpu_busy": sampler.busy([0]) if sampler.samples else None}
+    return {"arrangement": args.which, **row, "gpu_busy": sampler.busy([visible_gpu(0)]) if sampler.samples else None}
 
 
 def main() -> None:

@@ -1,11 +1,14 @@
 """Every GPU's utilisation by nvidia-smi, sampled on a thread: the benchmarks' "GPU busy" columns.
 
 Contract: `GpuSampler().start()` samples every GPU every 0.5 s until `stop()`; `busy(gpus)` is the mean utilisation
-(0-1) of those GPU indices over the samples, None where nvidia-smi is absent (CPU) or gave none.
+(0-1) of those GPU indices over the samples, None where nvidia-smi is absent (CPU) or gave none. nvidia-smi numbers
+GPUs physically; `visible_gpu(i)` maps this process's CUDA device `i` to that number (through
+`CUDA_VISIBLE_DEVICES`), so benchmarks run side by side on different GPUs each report their own.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import subprocess
@@ -42,3 +45,11 @@ class GpuSampler:
     def busy(self, gpus: list[int]) -> float | None:
         values = [v for g in gpus for v in self.samples.get(g, [])]
         return statistics.fmean(values) if values else None
+
+
+def visible_gpu(index: int) -> int:
+    """nvidia-smi's number of this process's CUDA device `index` (CUDA_VISIBLE_DEVICES, when it lists numbers)."""
+    listed = [part.strip() for part in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
+    if index < len(listed) and listed[index].isdigit():
+        return int(listed[index])
+    return index
