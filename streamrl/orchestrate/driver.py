@@ -101,7 +101,14 @@ def check_model_layout(config: Config) -> None:
 
 def check_trainable(config: Config) -> None:
     """What `streamrl plan` takes but the trainer does not run yet, refused before anything starts."""
-    rollout = config.rollout
+    rollout, per_node = config.rollout, config.cluster.gpus_per_node
+    if config.run.device == "cuda" and per_node is not None and rollout.gpus_per_engine > per_node:
+        # vLLM's workers of an engine are processes beside its actor (the "mp" executor): one node's GPUs.
+        raise ValueError(
+            f"rollout.gpus_per_engine: an engine of {rollout.gpus_per_engine} GPUs spans nodes of "
+            f"{per_node} (cluster.gpus_per_node); streamrl train runs an engine's GPUs on one node (engines across "
+            "nodes are planned only)"
+        )
     if rollout.tensor_parallel != rollout.gpus_per_engine:
         raise ValueError(
             f"rollout.tensor_parallel: {rollout.tensor_parallel} with rollout.gpus_per_engine "

@@ -102,19 +102,24 @@ def test_the_architecture_must_agree_with_the_checkpoint(tmp_path: Path) -> None
 
 
 def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture[str]) -> None:
-    """Engines with data-parallel ranks inside are planned, not trained yet: refused before anything starts. Engines
-    whose GPUs form one tensor-parallel group (experts over all or none of them) train, colocated ones too (in sync
-    mode, which the colocated presets set; async is refused naming train.mode)."""
+    """Engines wider than a node (DeepSeek-V3's, 32 GPUs) and engines with data-parallel ranks inside are planned, not
+    trained yet: refused before anything starts. Engines whose GPUs form one tensor-parallel group on one node
+    (experts over all or none of them) train, colocated ones too (in sync mode, which the colocated presets set;
+    async is refused naming train.mode)."""
     config = load_config(CONFIGS / "deepseek-v3-671b.yaml", ["cluster.gpus=96"])
-    with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 8 with rollout\.gpus_per_engine 32"):
+    spans = r"rollout\.gpus_per_engine: an engine of 32 GPUs spans nodes of 8"
+    with pytest.raises(ValueError, match=spans):
         check_trainable(config)
     assert main(["train", "-c", str(CONFIGS / "deepseek-v3-671b.yaml"), "cluster.gpus=96"]) == 2
-    assert "rollout.tensor_parallel: 8 with rollout.gpus_per_engine 32" in capsys.readouterr().err
+    assert "an engine of 32 GPUs spans nodes of 8 (cluster.gpus_per_node)" in capsys.readouterr().err
+    data_parallel = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=2"]
+    with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 2 with rollout\.gpus_per_engine 4"):
+        check_trainable(load_config(CONFIGS / "tiny.yaml", data_parallel))
     overrides = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=4", "rollout.expert_parallel=2"]
     with pytest.raises(ValueError, match=r"rollout\.expert_parallel: 2: vLLM splits experts over all of an engine's 4"):
         check_trainable(load_config(CONFIGS / "tiny.yaml", overrides))
     check_trainable(load_config(CONFIGS / "tiny.yaml", ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]))
-    for preset, gpus in (("qwen3-30b-a3b", 8), ("moonlight-16b-a3b", 8)):
+    for preset, gpus in (("qwen3-30b-a3b", 8), ("moonlight-16b-a3b", 8), ("qwen3-235b-a22b", 32)):
         config = load_config(CONFIGS / f"{preset}.yaml", [f"cluster.gpus={gpus}"])
         assert config.colocated and config.train.mode == "sync" and config.weights_device == "cpu"
         check_trainable(config)
