@@ -32,8 +32,8 @@ class TinyModelInit(_Section):
     arch: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "moonlight", "mixtral"] = Field(
         "qwen3", description="Architecture of the random model."
     )
-    preset: Literal["tiny", "small", "medium"] = Field(
-        "tiny", description="Shape preset (streamrl.models.tiny.PRESETS; medium: ~0.2B, for GPUs)."
+    preset: Literal["tiny", "small", "medium", "large"] = Field(
+        "tiny", description="Shape preset (streamrl.models.tiny.PRESETS; medium: ~0.2B, large: ~3.6B, for GPUs)."
     )
     tie_word_embeddings: bool = Field(False, description="Share the input embedding with the output layer.")
 

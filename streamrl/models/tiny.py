@@ -47,12 +47,26 @@ PRESETS: dict[str, dict[str, int]] = {
         head_dim=64,
         intermediate_size=3072,
     ),
+    # ~3.6B (Qwen3-4B's body: 36 layers of width 2560, 32 / 8 heads of 128): large enough that a GPU engine's
+    # decoding step is the GPU's work rather than vLLM's host work (the medium model keeps an H200 10 % busy, vLLM
+    # alone included). Written in bfloat16, as released checkpoints are.
+    "large": dict(
+        hidden_size=2560,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+    ),
 }
+# Presets written in bfloat16 (the others in float32, so CPU tests keep full precision).
+BFLOAT16_PRESETS = ("large",)
 # Expert shapes of the qwen3_moe arch per preset: 8 experts so expert parallelism up to 8 divides them evenly.
 MOE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
     "small": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
     "medium": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768),
+    "large": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1536),
 }
 # DeepSeek-V3's attention and routing per preset (its other shapes come from PRESETS and MOE_PRESETS): 8 experts in
 # 2 groups, of which each token's top-2 come from the 1 best group (HF scores a group by its two best experts, so
@@ -61,6 +75,7 @@ MLA_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
     "small": dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
     "medium": dict(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+    "large": dict(q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 }
 DEEPSEEK_ROUTING = dict(
     n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True
@@ -195,8 +210,9 @@ def write_tiny_model(
     torch.manual_seed(seed)
     if num_layers is not None and num_layers < 1:
         raise ValueError(f"num_layers: {num_layers} must be >= 1")
-    config = _hf_config(arch, preset, "float32", num_layers, tie_word_embeddings, overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dtype = "bfloat16" if preset in BFLOAT16_PRESETS else "float32"
+    config = _hf_config(arch, preset, dtype, num_layers, tie_word_embeddings, overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -33,3 +33,25 @@ def test_unknown_arch_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="arch: unknown architecture"):
         write_tiny_model(tmp_path, arch="gpt2")
+
+
+def test_large_preset_has_qwen3_4b_body_and_is_written_in_bfloat16(tmp_path: Path) -> None:
+    """The GPU benchmarks' large model: Qwen3-4B's layer shape (~3.6B without embeddings), saved in bfloat16 as
+    released checkpoints are; written here with one layer (the shape per layer is what the preset fixes)."""
+    from safetensors import safe_open
+
+    from streamrl.models.tiny import write_tiny_model
+
+    out = write_tiny_model(tmp_path / "large", "qwen3", "large", num_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    config = model.config
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        2560,
+        32,
+        8,
+        128,
+    )
+    per_layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert 3.5e9 < 36 * per_layer < 3.7e9  # the preset's 36 layers
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
