@@ -9,11 +9,14 @@ first step on (start-up excluded), sampling every GPU's utilisation with nvidia-
 generated and trained tokens/s and the step time split in the steady state (the steps after `--warmup-steps`, whose
 first compiles the learner's kernels, over their own iterations' wall time), the whole run's wall time and its first
 step's, the GPU busy fraction of the engines' and the learner's GPUs (over the whole run), policy lag, publish time,
-stale drops and the reward per consumed sample (every step consumes the same number of samples). `--only sync
+stale drops, the reward per consumed sample (every step consumes the same number of samples) and the reward at
+equal versions (of the samples that the same policy versions generated: the last quarter of the versions every
+arrangement reached; a step's version is the learner's before it less the step's mean lag). `--only sync
 colocated async-2 ...` runs a subset (a long comparison split over several invocations). The async backlog is
 `staleness + 1` steps of groups, everything the staleness gate lets into the system (the gate, not the backlog,
 keeps the lag of consumed groups within the bound; a smaller backlog would keep finished groups out of the stream
-while the learner waits for them); sync holds one step.
+while the learner waits for them); sync holds one step. Each arrangement starts from an empty
+`run.dir/<mode>-<staleness>`.
 
 Prints a table and writes `benchmarks/results/e2e_async_vs_sync.json` (or `--out`). On CPU (no nvidia-smi) the GPU
 columns stay empty.
@@ -86,6 +89,9 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
         return statistics.fmean(row.get(key, 0.0) for row in steady)
 
     rewards = [row["rollout/reward_mean"] for row in history]
+    # The policy version that generated each step's samples (on average over its groups): the learner's version
+    # before the step less the step's mean lag.
+    versions = [row["train/policy_version"] - 1 - row["queue/policy_lag_mean"] for row in history]
     quarter = max(1, len(rewards) // 4)
     return {
         "mode": mode,
@@ -119,8 +125,21 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
         "engine_wake_s": mean("perf/engine_wake_s"),
         "reward_per_sample": statistics.fmean(rewards),
         "reward_last_quarter": statistics.fmean(rewards[-quarter:]),
+        "reward_by_version": [[v, r] for v, r in zip(versions, rewards, strict=True)],
         "placement": placement,
     }
+
+
+def _reward_at_equal_versions(runs: list[dict[str, Any]]) -> None:
+    """Each run's mean reward of the samples that the same policy versions generated: the last quarter of the
+    versions every run reached. Reward per consumed sample charges an asynchronous run for its lag (its samples come
+    from versions a few updates old); at equal versions it compares what the same number of updates learnt."""
+    highest = min(max(v for v, _ in r["reward_by_version"]) for r in runs)
+    quarter = max(1, min(r["steps"] for r in runs) // 4)
+    for r in runs:
+        window = [reward for v, reward in r["reward_by_version"] if highest - quarter < v <= highest]
+        r["reward_versions"] = [highest - quarter, highest]
+        r["reward_at_equal_versions"] = statistics.fmean(window) if window else float("nan")
 
 
 def main() -> None:
@@ -158,14 +177,17 @@ def main() -> None:
         print({k: v for k, v in runs[-1].items() if k != "placement"}, flush=True)
         summary = {"config": str(args.config), "overrides": args.overrides, "runs": runs}
         args.out.write_text(json.dumps(summary, indent=1))
+    _reward_at_equal_versions(runs)
+    args.out.write_text(json.dumps({"config": str(args.config), "overrides": args.overrides, "runs": runs}, indent=1))
     # Steady state, against the faster synchronous arrangement (when this run has one).
     synced = [r["steady_trained_tokens_per_s"] for r in runs if r["mode"] != "async"]
     sync = max(synced) if synced else None
     print(
         "| mode | staleness | wall s | first step s | gen tok/s | trained tok/s | vs best sync | engine GPU busy | "
-        "learner GPU busy | lag | drops | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample |"
+        "learner GPU busy | lag | drops | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample | "
+        "reward at equal versions |"
     )
-    print("|" + "---|" * 17)
+    print("|" + "---|" * 18)
     for r in runs:
         busy = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("engine_gpu_busy", "learner_gpu_busy")]
         ratio = "-" if sync is None else f"{r['steady_trained_tokens_per_s'] / sync:.2f}"
@@ -174,7 +196,8 @@ def main() -> None:
             f"{r['steady_generated_tokens_per_s']:.0f} | {r['steady_trained_tokens_per_s']:.0f} | {ratio} | "
             f"{busy[0]} | {busy[1]} | {r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | "
             f"{r['generate_wait_s']:.3f} | {r['step_s']:.3f} | {r['wait_s']:.3f} | "
-            f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} |"
+            f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} | "
+            f"{r['reward_at_equal_versions']:.3f} |"
         )
     print(f"wrote {args.out}")
 
