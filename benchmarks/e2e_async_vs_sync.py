@@ -162,7 +162,9 @@ def main() -> None:
     for name in args.only or []:
         # `--only` takes every word after it: overrides written after it would silently become arrangements.
         if not re.fullmatch(r"sync|colocated|async-\d+", name):
-            parser.error(f"--only: {name!r} is not an arrangement (sync, colocated, async-S); overrides go before --only")
+            parser.error(
+                f"--only: {name!r} is not an arrangement (sync, colocated, async-S); overrides go before --only"
+            )
     base = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = []

@@ -273,6 +273,12 @@ class OptimizerConfig(_Section):
     offload_fraction: float = Field(
         1.0, ge=0.0, le=1.0, description="cpu_offload: the fraction of the optimizer state kept on the host."
     )
+    overlap_host_copies: bool = Field(
+        False,
+        description="cpu_offload: one host optimizer per parameter, each updating as soon as its gradient is on the "
+        "host while the others copy, and the updated parameters copied back on a stream of their own (Megatron's "
+        "overlap_cpu_optimizer_d2h_h2d, which verl turns on); off: all gradients copied, then one update.",
+    )
     host_threads: int | None = Field(
         None,
         ge=1,

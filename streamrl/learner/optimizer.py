@@ -20,7 +20,8 @@ Contract: after `streamrl.learner.parallel.init_parallel`, with the chunks built
   `distributed` shards those over the data x context-parallel ranks (ZeRO-1) and all-gathers the updated
   params after each step. `cpu_offload` moves `offload_fraction` of the state and its update to the host
   (Megatron's `HybridDeviceOptimizer`, under its precision-aware optimizer: no float32 master shard stays on the
-  GPU for the offloaded share); without CUDA it is a no-op, as every tensor already lives in host memory.
+  GPU for the offloaded share; `overlap_host_copies` pipelines the copies with the host update, parameter by
+  parameter); without CUDA it is a no-op, as every tensor already lives in host memory.
 Per step: `training.zero_grad()`, `run_microbatches(training.models, ...)`, then `training.step()` (the grad norm).
 `host_threads(settings, ranks_per_node)` is how many threads a rank computes with on the host: the offloaded
 share's update is a CPU AdamW over up to billions of parameters, which one thread (a rank's default) makes a third of
@@ -98,6 +99,7 @@ def _megatron_optimizer_config(settings: config.OptimizerConfig, bf16: bool) -> 
         # fails without TE although this path uses none of it: the flags are set after it.
         megatron.use_precision_aware_optimizer = megatron.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
         megatron.store_param_remainders = False
+        megatron.overlap_cpu_optimizer_d2h_h2d = settings.overlap_host_copies
     return megatron
 
 

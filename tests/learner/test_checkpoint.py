@@ -180,12 +180,17 @@ def test_bf16_checkpoint_continues_exactly(tp1_world: None, tiny_model_dir: Path
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overlap", [False, True], ids=["copies-then-update", "overlapped-copies"])
 def test_offloaded_optimizer_checkpoint_continues_exactly_on_gpu(
-    tp1_world: None, tiny_model_dir: Path, tmp_path: Path
+    tp1_world: None, tiny_model_dir: Path, tmp_path: Path, overlap: bool
 ) -> None:
-    """bf16 model, half the optimizer state on the host (precision-aware HybridDeviceOptimizer): a reload continues
-    with the same master weights and moments as the optimizer that never stopped."""
-    learner = (OptimizerConfig(cpu_offload=True, offload_fraction=0.5), torch.bfloat16)
+    """bf16 model, half the optimizer state on the host (precision-aware HybridDeviceOptimizer; with
+    `overlap_host_copies`, one host optimizer per parameter): a reload continues with the same master weights and
+    moments as the optimizer that never stopped."""
+    learner = (
+        OptimizerConfig(cpu_offload=True, offload_fraction=0.5, overlap_host_copies=overlap),
+        torch.bfloat16,
+    )
     root = tmp_path / "checkpoints"
     expected = _train_save_continue(tiny_model_dir, root, *learner)
     assert _load_and_continue(tiny_model_dir, step_dir(root, 2), *learner) == pytest.approx(expected, abs=1e-6, rel=0)

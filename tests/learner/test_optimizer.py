@@ -110,14 +110,19 @@ def _bf16_step(model_dir: Path, settings: OptimizerConfig) -> tuple[float, dict[
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(tp1_world: None, tiny_model_dir: Path) -> None:
-    offload = SETTINGS.model_copy(update={"cpu_offload": True, "offload_fraction": 0.5})
+@pytest.mark.parametrize("overlap", [False, True], ids=["copies-then-update", "overlapped-copies"])
+def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(
+    tp1_world: None, tiny_model_dir: Path, overlap: bool
+) -> None:
+    offload = SETTINGS.model_copy(update={"cpu_offload": True, "offload_fraction": 0.5, "overlap_host_copies": overlap})
     norm, params, training = _bf16_step(tiny_model_dir, offload)
     expected_norm, expected, _ = _bf16_step(tiny_model_dir, SETTINGS)
     (inner,) = training.optimizer.chained_optimizers
     hybrid = inner.optimizer
     assert isinstance(hybrid, HybridDeviceOptimizer) and hybrid.offload_fraction == 0.5
     assert hybrid.cpu_optimizers and hybrid.gpu_optimizer is not None  # the state is split between host and GPU
+    # Overlapped: one host optimizer per parameter, each updating once its own gradient has arrived.
+    assert hybrid.overlap_cpu_optimizer_d2h_h2d == overlap and (len(hybrid.cpu_optimizers) > 1) == overlap
     # No float32 master shard on the GPU beside the hybrid optimizer's own copies (Megatron's precision-aware path):
     # the host holds float32 masters for its share, and the model's bf16 shards are what it updates.
     assert all(p is None for group in inner.shard_fp32_from_float16_groups for p in group)
