@@ -17,14 +17,23 @@ from tests.rollout.test_engine import _encode, _hf_logprobs, _hf_model
 from tests.rollout.test_sharded_engine import TIMEOUT_S, _in_thread, _publish
 
 
-@pytest.fixture(scope="module")
-def process_engine(tiny_model_dir: Path) -> Iterator[tuple[VLLMEngine, WeightGroup]]:
-    """The engine, whose worker is rank 1 of a weight group this process leads (tensors do not cross to the core's
-    process: its worker receives the versions itself)."""
-    engine = VLLMEngine(tiny_model_dir, max_model_len=256, dtype="float32", enforce_eager=True, engine_process=True)
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-worker", "two-workers-tp2"])
+def process_engine(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[tuple[VLLMEngine, WeightGroup]]:
+    """The engine, whose workers are ranks 1.. of a weight group this process leads (tensors do not cross to the
+    core's process: its workers receive the versions themselves); with two, a tensor-parallel engine whose workers
+    the core's process starts."""
+    workers = request.param
+    engine = VLLMEngine(
+        tiny_model_dir,
+        max_model_len=256,
+        dtype="float32",
+        enforce_eager=True,
+        engine_process=True,
+        tensor_parallel=workers,
+    )
     port = free_port()
-    joined = _in_thread(lambda: engine.join_weight_groups([("127.0.0.1", port)], 1, 2, 0, TIMEOUT_S, "cpu"))
-    group = WeightGroup("127.0.0.1", port, 0, 2, generation=0, timeout_s=TIMEOUT_S)
+    joined = _in_thread(lambda: engine.join_weight_groups([("127.0.0.1", port)], 1, 1 + workers, 0, TIMEOUT_S, "cpu"))
+    group = WeightGroup("127.0.0.1", port, 0, 1 + workers, generation=0, timeout_s=TIMEOUT_S)
     joined()
     yield engine, group
     engine.llm.llm_engine.engine_core.shutdown()
