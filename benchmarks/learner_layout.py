@@ -7,7 +7,8 @@ It starts one process per learner rank, builds the production trainer (`streamrl
 model in the preset's real shape with random weights, Megatron's DDP and distributed optimizer with the preset's
 offload, recomputation and layout), plans RL-like trajectory groups (`benchmarks/learner_mfu.py`'s lognormal
 response lengths) with the production planner into packed micro-batches per data-parallel rank, and times
-`--steps` steps after one warm-up step. It reports step time, MFU (the trainer's own FLOP count over
+`--steps` steps after one warm-up step (`--profile`: then one more, rank 0's GPU kernels under torch.profiler,
+written beside the JSON as `.profile.txt`). It reports step time, MFU (the trainer's own FLOP count over
 `learner.peak_tflops`, 989 for H100/H200 bf16), peak GPU memory (allocated and reserved, the fullest rank), peak
 host memory (the node's used memory, sampled through the steps, less what it was before start-up) and the plan's
 prediction for each, then writes them as JSON. The planner's layout is the learner's alone: engines are not started.
@@ -72,9 +73,17 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         results.append((time.perf_counter() - start, result.metrics))
     reserved = torch.tensor([torch.cuda.max_memory_reserved(device) / GB if cuda else 0.0], device=device)
     dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
+    timed = results[1:]
+    seconds = float(np.median([s for s, _ in timed]))
+    if args.profile:  # one more step, every rank (its collectives need them all), rank 0's under the profiler
+        from benchmarks.learner_mfu import profile_step
+
+        extra = lambda: trainer.train(microbatches, args.steps + 1, args.steps + 1)  # noqa: E731
+        if rank == 0 and cuda:
+            profile_step(extra, seconds, out / "rank0.profile.txt")
+        else:
+            extra()
     if rank == 0:
-        timed = results[1:]
-        seconds = float(np.median([s for s, _ in timed]))
         tokens = sum(len(g.prompt_ids) * len(g.lengths) + int(sum(g.lengths)) for g in groups)
         (out / "rank0.json").write_text(
             json.dumps(
@@ -103,7 +112,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="responses per group")
     parser.add_argument("--mean-len", type=int, default=1500)
     parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/learner_layout_<run.name>.json")
+    parser.add_argument(
+        "--profile", action="store_true", help="one more step with rank 0 under torch.profiler: its top GPU kernels"
+    )
     args = parser.parse_args()
 
     from streamrl.config import load_config
@@ -165,6 +178,10 @@ def main() -> None:
     print(f"{'peak GPU GB (reserved)':<28}{result['peak_reserved_gb']:>10.1f}{result['plan']['gpu_gb']:>10.1f}")
     print(f"{'peak GPU GB (allocated)':<28}{result['peak_allocated_gb']:>10.1f}")
     print(f"{'peak host GB (node)':<28}{result['peak_host_gb']:>10.1f}{result['plan']['host_gb']:>10.1f}")
+    profiled = out.parent / "rank0.profile.txt"
+    if args.profile and profiled.exists():  # rank 0's kernels (NCCL's all-to-all among them), beside the JSON
+        profiled.replace(out.with_suffix(".profile.txt"))
+        print(out.with_suffix(".profile.txt").read_text())
 
 
 if __name__ == "__main__":
