@@ -184,6 +184,25 @@ def _hf_config(
     return config_class(**{**fields, **overrides})
 
 
+def _check(arch: str, preset: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"arch: unknown architecture {arch!r}; choose one of {ARCHS}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset: unknown preset {preset!r}; choose one of {tuple(PRESETS)}")
+
+
+def tiny_model_config(arch: str = "qwen3", preset: str = "tiny", tie_word_embeddings: bool = False) -> dict[str, Any]:
+    """The HF config (config.json's fields) that `write_tiny_model` writes for `arch` and `preset`, without building
+    the model: what `streamrl plan` plans with before a config's `model.init_if_missing` has written anything."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    _check(arch, preset)
+    dtype = "bfloat16" if preset in BFLOAT16_PRESETS else "float32"
+    config = _hf_config(arch, preset, dtype, None, tie_word_embeddings, {})
+    # What save_pretrained records from the model class that from_config builds.
+    return {**config.to_dict(), "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]}
+
+
 def write_tiny_model(
     out_dir: str | Path,
     arch: str = "qwen3",
@@ -201,10 +220,7 @@ def write_tiny_model(
     import torch
     from transformers import AutoModelForCausalLM
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch: unknown architecture {arch!r}; choose one of {ARCHS}")
-    if preset not in PRESETS:
-        raise ValueError(f"preset: unknown preset {preset!r}; choose one of {tuple(PRESETS)}")
+    _check(arch, preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -70,12 +70,19 @@ def ensure_model(config: Config) -> None:
 
 def model_architecture(config: Config) -> dict[str, Any]:
     """The model's HF config: model.path/config.json when the checkpoint is there (it must agree with
-    model.architecture on every key both hold), else model.architecture; FileNotFoundError when neither exists."""
-    path, declared = config.model.path / "config.json", config.model.architecture
+    model.architecture on every key both hold), else model.architecture, else the config the random model of
+    model.init_if_missing will have (not written here); FileNotFoundError when none exists."""
+    path, declared, init = config.model.path / "config.json", config.model.architecture, config.model.init_if_missing
     if not path.exists():
-        if declared is None:
-            raise FileNotFoundError(f"model.path: no config.json in {config.model.path} (and no model.architecture)")
-        return dict(declared)
+        if declared is not None:
+            return dict(declared)
+        if init is not None:
+            from streamrl.models.tiny import tiny_model_config
+
+            return tiny_model_config(init.arch, init.preset, init.tie_word_embeddings)
+        raise FileNotFoundError(
+            f"model.path: no config.json in {config.model.path} (and no model.architecture or model.init_if_missing)"
+        )
     on_disk = json.loads(path.read_text())
     for key, value in (declared or {}).items():
         if key in on_disk and on_disk[key] != value:

@@ -2,6 +2,7 @@
 near the measured 66 GB per GPU and 1,500 GB per node, and a layout that does not fit exits non-zero naming its
 largest term."""
 
+import json
 import time
 from pathlib import Path
 
@@ -63,8 +64,31 @@ def test_a_layout_that_does_not_fit_names_its_largest_term(capsys: pytest.Captur
 def test_plan_answers_bad_input_with_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No architecture anywhere, or a size that is not one: exit 2 naming what is wrong, no traceback."""
     tiny = CONFIGS / "tiny.yaml"
-    assert main(["plan", "-c", str(tiny), f"model.path={tmp_path / 'absent'}"]) == 2
+    assert main(["plan", "-c", str(tiny), f"model.path={tmp_path / 'absent'}", "model.init_if_missing=null"]) == 2
     assert "model.path: no config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "-c", str(tiny), "--gpu-memory", "lots"])
     assert "expected a size such as 96GB" in capsys.readouterr().err
+
+
+def test_plan_of_a_model_not_written_yet_is_the_plan_of_the_written_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config whose model.init_if_missing has not written its random model yet plans with the HF config that model
+    will have (`configs/qwen3-large-gpu.yaml` before its 7 GB are written): the same table as once it is there."""
+    from streamrl.models.tiny import tiny_model_config, write_tiny_model
+
+    config = CONFIGS / "qwen3-medium-gpu.yaml"
+    model = tmp_path / "medium"
+    assert main(["plan", "-c", str(config), f"model.path={model}"]) == 0
+    before = capsys.readouterr().out
+    assert not model.exists()  # planning writes nothing
+    write_tiny_model(model, "qwen3", "medium")
+    assert main(["plan", "-c", str(config), f"model.path={model}"]) == 0
+    assert capsys.readouterr().out == before
+    written = json.loads((model / "config.json").read_text())
+    planned = tiny_model_config("qwen3", "medium")
+    assert {k: v for k, v in planned.items() if k in written and k != "transformers_version"} == {
+        k: v for k, v in written.items() if k in planned and k != "transformers_version"
+    }
+    assert planned["architectures"] == written["architectures"] == ["Qwen3ForCausalLM"]
