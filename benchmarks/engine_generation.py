@@ -1,6 +1,6 @@
 """An engine's generation against standalone vLLM on the same device, model, prompts and batch.
 
-Usage: `python benchmarks/engine_generation.py -c CONFIG [--groups 256] [--out PATH] [override ...]`. Five
+Usage: `python benchmarks/engine_generation.py -c CONFIG [--groups 256] [--profile] [--out PATH] [override ...]`. Five
 arrangements, each in a process of its own (one vLLM per process), on the config's model, task and rollout settings:
 
 - `vllm`: standalone vLLM, `LLM.generate` on all the prompts at once, `n` samples each, at most as many sequences
@@ -21,8 +21,10 @@ busy fraction over that time. `engine` and `worker` run the engine as the config
 `rollout.engine_process=true rollout.async_scheduling=true` among the overrides they drive vLLM's core in a process
 of its own, against the same standalone ceilings. The gap `vllm` → `engine` is the cost of driving vLLM step by
 step; `engine` → `worker` the cost of everything around it; `vllm` → `vllm-process(-async)` what overlapping vLLM's
-host work with the device's would gain. Prints a table and writes `benchmarks/results/engine_generation.json`
-(or `--out`).
+host work with the device's would gain. `--profile` samples the stack of the `engine` and `worker` loops' thread
+every millisecond while they generate (`stack_sampler.py`, which leaves their rate nearly as it is) and writes where
+it was beside the JSON (`.engine.profile.txt`, `.worker.profile.txt`), with the share inside vLLM's step in the
+rows. Prints a table and writes `benchmarks/results/engine_generation.json` (or `--out`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_sampler import GpuSampler, visible_gpu
+from stack_sampler import StackSampler
 
 from streamrl.config import Config, load_config
 
@@ -111,7 +114,15 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     }
 
 
-def _bare_engine(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
+def _loop_profile(stacks: StackSampler | None) -> dict[str, Any]:
+    """`--profile`: the share of the loop thread's samples inside vLLM's step, and the whole table."""
+    if stacks is None:
+        return {}
+    stacks.stop()
+    return {"loop_in_vllm_step": stacks.share("VLLMEngine.step"), "profile": stacks.report()}
+
+
+def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> dict[str, Any]:
     from streamrl.rollout.engine import VLLMEngine
     from streamrl.rollout.engine_settings import engine_settings
 
@@ -121,6 +132,7 @@ def _bare_engine(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
     engine.generate(prompts[: min(8, groups)], n=rollout.n, max_tokens=rollout.max_tokens)  # warm-up
     submitted = done = tokens = 0
     sampler.start()
+    stacks = StackSampler(threading.get_ident()).start() if profile else None  # this thread runs the loop
     started = time.perf_counter()
     while done < groups:
         while submitted < groups and submitted - done < rollout.prompts_per_batch:
@@ -140,10 +152,11 @@ def _bare_engine(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
             tokens += sum(len(s.token_ids) for s in samples)
     wall = time.perf_counter() - started
     scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
-    return {"groups": done, "tokens": tokens, "wall_s": wall, "max_num_seqs": scheduler.max_num_seqs}
+    row = {"groups": done, "tokens": tokens, "wall_s": wall, "max_num_seqs": scheduler.max_num_seqs}
+    return row | _loop_profile(stacks)
 
 
-def _worker(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
+def _worker(config: Config, groups: int, sampler: Any, profile: bool) -> dict[str, Any]:
     from streamrl.queue.server import EmbeddedRedis
     from streamrl.rollout.worker import RolloutWorker
 
@@ -155,15 +168,17 @@ def _worker(config: Config, groups: int, sampler: Any) -> dict[str, Any]:
         sampler.start()
         started = time.perf_counter()
         loop.start()
+        stacks = StackSampler(loop.ident).start() if profile and loop.ident is not None else None
         while worker.outbox.groups_pushed < groups and loop.is_alive():
             time.sleep(0.005)
         wall = time.perf_counter() - started
         pushed, tokens = worker.outbox.groups_pushed, worker.tokens_generated
+        profiled = _loop_profile(stacks)
         worker.stop()
         loop.join(timeout=60)
         if pushed < groups:
             raise RuntimeError(f"the rollout loop ended after {pushed} of {groups} groups")
-        return {"groups": pushed, "tokens": tokens, "wall_s": wall}
+        return {"groups": pushed, "tokens": tokens, "wall_s": wall} | profiled
     finally:
         server.stop()
 
@@ -174,10 +189,12 @@ def _run_one(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     if args.which.startswith("vllm"):
         row = _standalone(config, args.groups, args.max_num_seqs, sampler, args.which)
     elif args.which == "engine":
-        row = _bare_engine(config, args.groups, sampler)
+        row = _bare_engine(config, args.groups, sampler, args.profile_to is not None)
     else:
-        row = _worker(config, args.groups, sampler)
+        row = _worker(config, args.groups, sampler, args.profile_to is not None)
     sampler.stop()
+    if "profile" in row:
+        Path(args.profile_to).write_text(row.pop("profile") + "\n")
     return {"arrangement": args.which, **row, "gpu_busy": sampler.busy([visible_gpu(0)]) if sampler.samples else None}
 
 
@@ -188,6 +205,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_generation.json"))
     parser.add_argument("--which", choices=ARRANGEMENTS, help=argparse.SUPPRESS)  # one arrangement, in this process
     parser.add_argument("--max-num-seqs", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-to", help=argparse.SUPPRESS)  # this arrangement's loop profile, to this file
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample the engine's and the worker's loop thread (OUT.<arrangement>.profile.txt)",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     # Nothing consumes: no staleness gate, and a backlog the whole run fits in.
@@ -199,12 +222,15 @@ def main() -> None:
     from streamrl.orchestrate.driver import ensure_model
 
     ensure_model(config)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
     # The engine first: standalone vLLM then runs as many sequences at once as the engine could.
     for which in ("engine", *(a for a in ARRANGEMENTS if a != "engine")):
         command = [sys.executable, __file__, "-c", str(args.config), "--groups", str(args.groups), "--which", which]
         if which.startswith("vllm"):
             command += ["--max-num-seqs", str(rows["engine"]["max_num_seqs"])]
+        elif args.profile:
+            command += ["--profile-to", str(args.out.with_suffix(f".{which}.profile.txt"))]
         done = subprocess.run([*command, *args.overrides], capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
         if done.returncode != 0 or not lines:
@@ -225,7 +251,13 @@ def main() -> None:
             f"| {which} | {row['groups']} | {row['wall_s']:.2f} | {rate:.0f} | {rate / baseline:.2f} | "
             f"{scheduling} | {busy} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for which in ("engine", "worker"):
+        if "loop_in_vllm_step" in rows[which]:
+            path = args.out.with_suffix(f".{which}.profile.txt")
+            print(
+                f"{which}: its loop thread inside VLLMEngine.step in "
+                f"{rows[which]['loop_in_vllm_step']:.0%} of its time ({path})"
+            )
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
