@@ -138,9 +138,13 @@ def _plan(config: Config, gpu_memory_gb: float | None) -> int:
     if not _layout_fits(check_model_layout, config):
         return 2
     plan = plan_memory(config, architecture, gpu_memory_gb or config.cluster.gpu_memory_gb)
-    learner = config.learner
+    learner, rollout = config.learner, config.rollout
+    # Without cluster.gpus: the learner's GPUs, plus the engines' unless they share them.
+    gpus = config.cluster.gpus or learner.world_size + (
+        0 if config.colocated else rollout.engines * rollout.gpus_per_engine
+    )
     title = (
-        f"{config.run.name}: {config.cluster.gpus or learner.world_size} GPUs, {config.cluster.nodes} node(s); "
+        f"{config.run.name}: {gpus} GPUs, {config.cluster.nodes} node(s); "
         f"learner TP {learner.tensor_parallel} PP {learner.pipeline_parallel} EP {learner.expert_parallel} "
         f"CP {learner.context_parallel} DP {learner.data_parallel}, recompute {learner.recompute}, optimizer offload "
         f"{config.optimizer.offload_fraction if config.optimizer.cpu_offload else 0.0}; engines "

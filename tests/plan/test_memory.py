@@ -83,6 +83,7 @@ def test_plan_of_a_model_not_written_yet_is_the_plan_of_the_written_one(
     assert main(["plan", "-c", str(config), f"model.path={model}"]) == 0
     before = capsys.readouterr().out
     assert not model.exists()  # planning writes nothing
+    assert before.startswith("qwen3-medium: 2 GPUs, 1 node(s)")  # its learner rank's and its engine's
     write_tiny_model(model, "qwen3", "medium")
     assert main(["plan", "-c", str(config), f"model.path={model}"]) == 0
     assert capsys.readouterr().out == before
