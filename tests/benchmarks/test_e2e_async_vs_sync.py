@@ -1,0 +1,33 @@
+"""`benchmarks/e2e_async_vs_sync.py`'s reward at equal versions: each arrangement's reward over the same policy
+versions, whatever lag its samples had."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks import each other
+
+from e2e_async_vs_sync import _reward_at_equal_versions  # noqa: E402
+
+
+def _run(steps: int, lag: int, reward_of_version: float) -> dict:
+    """A run whose step s trained the samples of version s - 1 - lag (its learner's version before the step, less
+    the lag), each sample scoring `reward_of_version` times its version."""
+    rows = [[s - 1 - lag, reward_of_version * (s - 1 - lag)] for s in range(1, steps + 1)]
+    return {"steps": steps, "reward_by_version": rows}
+
+
+def test_async_is_compared_on_the_versions_sync_also_reached() -> None:
+    sync, lagged = _run(16, 0, 0.01), _run(16, 2, 0.01)  # the same learning per version, two versions behind
+    _reward_at_equal_versions([sync, lagged])
+    # Versions 10-13: the last quarter of the highest version both reached (13, the lagged run's last).
+    assert sync["reward_versions"] == lagged["reward_versions"] == [9, 13]
+    expected = pytest.approx(math.fsum([0.10, 0.11, 0.12, 0.13]) / 4)
+    assert sync["reward_at_equal_versions"] == expected and lagged["reward_at_equal_versions"] == expected
+    # Per consumed sample the lagged run scores less, by its lag: what the column corrects for.
+    consumed = [sum(r for _, r in run["reward_by_version"]) / 16 for run in (sync, lagged)]
+    assert consumed[1] < consumed[0]
