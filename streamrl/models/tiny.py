@@ -7,7 +7,9 @@ DeepSeek-V3 one (multi-latent attention with plain interleaved RoPE, a first den
 experts with a random expert bias, group-limited top-2, and a shared expert; `moonlight`: Moonlight-16B-A3B's variant
 of it, a plain q projection, ungrouped routing and two shared experts), saved with `save_pretrained`, plus a
 `tokenizers`-built character tokenizer with a chat template, loadable by `transformers.AutoTokenizer` and by
-vLLM (DeepSeek-V3 by transformers only: vLLM's CPU backend has no MLA).
+vLLM (DeepSeek-V3 by transformers only: vLLM's CPU backend has no MLA). Presets run from `tiny` (CPU tests) to
+`large` (~3.6B, GPU benchmarks, written in bfloat16); `tiny_model_config` gives the HF config a preset's model
+will have without building it (for `streamrl plan`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 # Presets written in bfloat16 (the others in float32, so CPU tests keep full precision).
 BFLOAT16_PRESETS = ("large",)
+
+
+def _dtype(preset: str) -> str:
+    return "bfloat16" if preset in BFLOAT16_PRESETS else "float32"
+
+
 # Expert shapes of the qwen3_moe arch per preset: 8 experts so expert parallelism up to 8 divides them evenly.
 MOE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
@@ -197,8 +205,7 @@ def tiny_model_config(arch: str = "qwen3", preset: str = "tiny", tie_word_embedd
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     _check(arch, preset)
-    dtype = "bfloat16" if preset in BFLOAT16_PRESETS else "float32"
-    config = _hf_config(arch, preset, dtype, None, tie_word_embeddings, {})
+    config = _hf_config(arch, preset, _dtype(preset), None, tie_word_embeddings, {})
     # What save_pretrained records from the model class that from_config builds.
     return {**config.to_dict(), "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]}
 
@@ -226,9 +233,8 @@ def write_tiny_model(
     torch.manual_seed(seed)
     if num_layers is not None and num_layers < 1:
         raise ValueError(f"num_layers: {num_layers} must be >= 1")
-    dtype = "bfloat16" if preset in BFLOAT16_PRESETS else "float32"
-    config = _hf_config(arch, preset, dtype, num_layers, tie_word_embeddings, overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    config = _hf_config(arch, preset, _dtype(preset), num_layers, tie_word_embeddings, overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, _dtype(preset)))
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
