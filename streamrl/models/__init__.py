@@ -2,4 +2,6 @@
 
 from streamrl.api import exports
 
-__all__, __getattr__ = exports(__name__, {"ARCHS": "tiny", "PRESETS": "tiny", "write_tiny_model": "tiny"})
+__all__, __getattr__ = exports(
+    __name__, {"ARCHS": "tiny", "PRESETS": "tiny", "tiny_model_config": "tiny", "write_tiny_model": "tiny"}
+)

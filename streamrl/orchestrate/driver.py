@@ -77,7 +77,7 @@ def model_architecture(config: Config) -> dict[str, Any]:
         if declared is not None:
             return dict(declared)
         if init is not None:
-            from streamrl.models.tiny import tiny_model_config
+            from streamrl.models import tiny_model_config
 
             return tiny_model_config(init.arch, init.preset, init.tie_word_embeddings)
         raise FileNotFoundError(
