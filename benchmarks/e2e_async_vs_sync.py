@@ -167,7 +167,13 @@ def main() -> None:
             )
     base = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    runs = []
+    runs: list[dict[str, Any]] = []
+
+    def save() -> None:
+        args.out.write_text(
+            json.dumps({"config": str(args.config), "overrides": args.overrides, "runs": runs}, indent=1)
+        )
+
     # Each arrangement is reported and saved as it ends, so a run cut short keeps what it measured (and its logs
     # under run.dir/<mode>-<staleness>/logs say where it stopped).
     synchronous = [("sync", 1)] + ([("colocated", 1)] if args.colocated else [])
@@ -177,10 +183,9 @@ def main() -> None:
         print(f"{mode}, max_staleness {staleness}: running {args.steps} steps", flush=True)
         runs.append(measure(arrangement(base, mode, staleness), mode, args.warmup_steps))
         print({k: v for k, v in runs[-1].items() if k != "placement"}, flush=True)
-        summary = {"config": str(args.config), "overrides": args.overrides, "runs": runs}
-        args.out.write_text(json.dumps(summary, indent=1))
+        save()
     _reward_at_equal_versions(runs)
-    args.out.write_text(json.dumps({"config": str(args.config), "overrides": args.overrides, "runs": runs}, indent=1))
+    save()
     # Steady state, against the faster synchronous arrangement (when this run has one).
     synced = [r["steady_trained_tokens_per_s"] for r in runs if r["mode"] != "async"]
     sync = max(synced) if synced else None

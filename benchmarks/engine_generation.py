@@ -114,8 +114,13 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     }
 
 
+def _profile_path(out: Path, which: str) -> Path:
+    """Where `--profile` writes arrangement `which`'s loop profile: beside the JSON."""
+    return out.with_suffix(f".{which}.profile.txt")
+
+
 def _loop_profile(stacks: StackSampler | None) -> dict[str, Any]:
-    """`--profile`: the share of the loop thread's samples inside vLLM's step, and the whole table."""
+    """`--profile`: the share of the loop thread's time inside vLLM's step, and the whole table."""
     if stacks is None:
         return {}
     stacks.stop()
@@ -230,7 +235,7 @@ def main() -> None:
         if which.startswith("vllm"):
             command += ["--max-num-seqs", str(rows["engine"]["max_num_seqs"])]
         elif args.profile:
-            command += ["--profile-to", str(args.out.with_suffix(f".{which}.profile.txt"))]
+            command += ["--profile-to", str(_profile_path(args.out, which))]
         done = subprocess.run([*command, *args.overrides], capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
         if done.returncode != 0 or not lines:
@@ -253,7 +258,7 @@ def main() -> None:
         )
     for which in ("engine", "worker"):
         if "loop_in_vllm_step" in rows[which]:
-            path = args.out.with_suffix(f".{which}.profile.txt")
+            path = _profile_path(args.out, which)
             print(
                 f"{which}: its loop thread inside VLLMEngine.step in "
                 f"{rows[which]['loop_in_vllm_step']:.0%} of its time ({path})"
