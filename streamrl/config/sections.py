@@ -80,8 +80,13 @@ class Config(_Section):
             )
         if self.train.parity_every > 0 and self.train.publish_lag > 0:
             raise ValueError("train.parity_every: engines serve lagged weights under train.publish_lag; set one to 0")
+        if self.rollout.executor == "ray" and self.run.device == "cpu":
+            raise ValueError("rollout.executor: 'ray' needs run.device=cuda (vLLM's CPU build has no Ray executor)")
         self._check_nodes()
         self._check_gpus()
+        if self.rollout.executor == "ray" and self.colocated:
+            # Colocated engines take their GPUs from the learner's placement groups, packed a node each.
+            raise ValueError("rollout.executor: 'ray' places an engine's GPUs of its own; colocated engines use 'mp'")
         return self
 
     @property

@@ -70,11 +70,24 @@ class RolloutConfig(_Section):
         description="With engine_process: vLLM schedules the next step while one runs (GPU; vLLM turns it off "
         "where the platform lacks it).",
     )
+    executor: Literal["mp", "ray"] = Field(
+        "mp",
+        description="How an engine of several GPUs runs its vLLM workers: 'mp', processes beside the engine's actor "
+        "(one node's GPUs); 'ray', Ray actors in the engine's own placement group of one-GPU bundles, which may span "
+        "nodes (vLLM's Ray executor; GPU only).",
+    )
 
     @model_validator(mode="after")
     def _engine_layout(self) -> RolloutConfig:
         if self.async_scheduling and not self.engine_process:
             raise ValueError("rollout.async_scheduling: needs rollout.engine_process=true")
+        if self.executor == "ray" and self.tensor_parallel == 1:
+            raise ValueError(
+                "rollout.executor: 'ray' runs the workers of an engine of several GPUs; rollout.tensor_parallel is 1"
+            )
+        if self.executor == "ray" and self.engine_process:
+            # The core's own process is not in the engine's placement group, where the Ray executor places workers.
+            raise ValueError("rollout.executor: 'ray' runs the engine core in the engine's actor; unset engine_process")
         for field in ("tensor_parallel", "expert_parallel"):
             if self.gpus_per_engine % getattr(self, field):
                 raise ValueError(

@@ -109,12 +109,13 @@ def check_model_layout(config: Config) -> None:
 def check_trainable(config: Config) -> None:
     """What `streamrl plan` takes but the trainer does not run yet, refused before anything starts."""
     rollout, per_node = config.rollout, config.cluster.gpus_per_node
-    if config.run.device == "cuda" and per_node is not None and rollout.gpus_per_engine > per_node:
-        # vLLM's workers of an engine are processes beside its actor (the "mp" executor): one node's GPUs.
+    spans_nodes = config.run.device == "cuda" and per_node is not None and rollout.gpus_per_engine > per_node
+    if spans_nodes and rollout.executor == "mp":
+        # The "mp" executor's workers are processes beside the engine's actor: one node's GPUs.
         raise ValueError(
             f"rollout.gpus_per_engine: an engine of {rollout.gpus_per_engine} GPUs spans nodes of "
-            f"{per_node} (cluster.gpus_per_node); streamrl train runs an engine's GPUs on one node (engines across "
-            "nodes are planned only)"
+            f"{per_node} (cluster.gpus_per_node); set rollout.executor=ray (its workers are Ray actors on any node)"
+            + (", which colocated engines cannot use yet" if config.colocated else "")
         )
     if rollout.tensor_parallel != rollout.gpus_per_engine:
         raise ValueError(

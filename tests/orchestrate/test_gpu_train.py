@@ -5,9 +5,10 @@ group broadcast and its statistics as device tensors), NCCL weight groups, vLLM 
 and weights updated in place, and checkpoints of CUDA tensors. The parity test publishes twice into a bf16 engine
 from a bf16 learner and compares log-probs at the bf16 tolerance below; on 4 GPUs the same from a TP=2 learner into
 an engine of 2 GPUs (tensor parallel, and a MoE with its experts split over the engine's GPUs), whose workers each
-receive the versions and keep their own shards; and into an engine that drives vLLM's core in a process of its own
-with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the learner and the
-engines (sync mode, vLLM sleeping while the learner trains).
+receive the versions and keep their own shards (also with vLLM's Ray executor, the workers Ray actors in the
+engine's own placement group, as an engine wider than a node runs); and into an engine that drives vLLM's core in a
+process of its own with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the
+learner and the engines (sync mode, vLLM sleeping while the learner trains).
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ def _bf16_parity_gap(config: Config) -> float:
     [
         ["learner.tensor_parallel=2"],
         ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"],
+        ["learner.tensor_parallel=2", "rollout.executor=ray"],
     ],
-    ids=["dense-tp2", "moe-ep2"],
+    ids=["dense-tp2", "moe-ep2", "dense-tp2-ray-executor"],
 )
 def test_bf16_parity_into_an_engine_of_two_gpus(tmp_path: Path, layout: list[str]) -> None:
     engine = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]

@@ -1,6 +1,7 @@
 """Two Ray nodes on one machine (`ray.cluster_utils.Cluster`, a custom resource per node): the job, driven from a
 separate process through RAY_ADDRESS, puts its engine on the rollout node and its TP=2 learner on the training
-node, trains and finishes; a TP group that no node can hold is refused with the key to look at."""
+node, trains and finishes; a TP group that no node can hold is refused with the key to look at; an engine of the Ray
+executor wider than a node gets GPUs on both, where vLLM's executor would start its workers."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 4}})
-    cluster.add_node(num_cpus=1, resources={"training_node": 4})
+    # Each node also declares 3 GPUs (Ray's logical resources: nothing here touches a device).
+    head = {"num_cpus": 1, "num_gpus": 3, "resources": {"rollout_node": 4}}
+    cluster = RayCluster(initialize_head=True, head_node_args=head)
+    cluster.add_node(num_cpus=1, num_gpus=3, resources={"training_node": 4})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     nodes = {key: node["NodeID"] for node in ray.nodes() for key in node["Resources"] if key.endswith("_node")}
@@ -71,6 +74,44 @@ def test_a_tensor_parallel_group_no_node_can_hold_is_refused(two_nodes, tmp_path
     )
     with pytest.raises(TimeoutError, match="learner.tensor_parallel"):
         Placement.reserve(config)
+
+
+class _EngineStandIn:
+    """Does at start-up what vLLM's Ray executor does: one worker actor per GPU, each in a bundle of the placement
+    group its engine's actor runs in."""
+
+    def start_workers(self, count: int) -> tuple[list[str], list[tuple[str, list[int]]]]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = ray.util.get_current_placement_group()
+        assert group is not None, "the engine's actor is not in a placement group its children join"
+
+        def where() -> tuple[str, list[int]]:
+            return ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
+
+        workers = [
+            ray.remote(where).options(
+                num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)
+            )
+            for i in range(count)
+        ]
+        return ray.get_gpu_ids(), ray.get([worker.remote() for worker in workers], timeout=60)
+
+
+def test_an_engine_of_the_ray_executor_spans_nodes(two_nodes, tmp_path: Path) -> None:
+    _, nodes = two_nodes
+    engine = ["rollout.executor=ray", "rollout.gpus_per_engine=4", "rollout.tensor_parallel=4"]
+    config = tiny_config(tmp_path, "run.device=cuda", *engine, "cluster.placement_timeout_s=20")
+    placement = Placement.reserve(config)  # 4 GPUs for the engine and 1 for the learner, on nodes of 3
+    try:
+        actor = ray.remote(_EngineStandIn).options(**placement.engine_options(0)).remote()
+        own_gpus, workers = ray.get(actor.start_workers.remote(4), timeout=60)
+    finally:
+        placement.remove()
+    assert own_gpus == []  # the engine's actor holds none: its workers hold them all
+    assert all(len(gpus) == 1 for _, gpus in workers)
+    per_node = sorted(sum(1 for node, _ in workers if node == n) for n in nodes.values())
+    assert sum(per_node) == 4 and per_node[0] >= 1, per_node  # both nodes, at most 3 on one
 
 
 def test_layout_and_nodes_are_checked_before_start(tmp_path: Path) -> None:

@@ -16,3 +16,6 @@ def test_each_engine_of_a_job_starts_as_the_config_says() -> None:
     gpu = load_config("configs/qwen3-medium-gpu.yaml", ["rollout.enforce_eager=true", "loss.routing_replay=rollout"])
     assert engine_settings(gpu)["enforce_eager"] and engine_settings(gpu)["record_routes"]
     assert not engine_settings(load_config("configs/qwen3-medium-gpu.yaml"))["enforce_eager"]  # CUDA graphs on GPU
+    assert engine_settings(load_config("configs/qwen3-medium-gpu.yaml"))["executor"] == "mp"
+    ray = ["rollout.executor=ray", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
+    assert engine_settings(load_config("configs/qwen3-medium-gpu.yaml", ray))["executor"] == "ray"
