@@ -8,7 +8,9 @@ model in the preset's real shape with random weights, Megatron's DDP and distrib
 offload, recomputation and layout), plans RL-like trajectory groups (`benchmarks/learner_mfu.py`'s lognormal
 response lengths) with the production planner into packed micro-batches per data-parallel rank, and times
 `--steps` steps after one warm-up step (`--profile`: then one more, rank 0's GPU kernels under torch.profiler,
-written beside the JSON as `.profile.txt`). It reports step time, MFU (the trainer's own FLOP count over
+written beside the JSON as `.profile.txt`). The steps train the same groups, unless `--vary`: new lengths every step,
+as RL's are (`--exact-shapes` then measures what a step cost before padded attention shapes were rounded to a few
+sizes: every new shape is a cuDNN graph built). It reports step time, MFU (the trainer's own FLOP count over
 `learner.peak_tflops`, 989 for H100/H200 bf16), peak GPU memory (allocated and reserved, the fullest rank), peak
 host memory (the node's used memory, sampled through the steps, less what it was before start-up) and the plan's
 prediction for each, then writes them as JSON. The planner's layout is the learner's alone: engines are not started.
@@ -47,22 +49,34 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     from streamrl.learner.optimizer import host_threads
     from streamrl.learner.parallel import destroy_parallel, init_parallel
     from streamrl.learner.trainer import Trainer
+    from streamrl.orchestrate import model_architecture
 
     config = load_config(args.config, args.overrides)
-    hf = config.model.architecture
+    hf = model_architecture(config)  # a preset's own, or the checkpoint's (written or to be written)
     os.environ["LOCAL_RANK"] = str(rank)
     # As a learner rank of `streamrl train` does: the node's cores split among the ranks for the offloaded optimizer.
     torch.set_num_threads(host_threads(config.optimizer, config.learner.world_size // config.cluster.nodes))
     init_parallel(config.learner, rank, "127.0.0.1", port, seed=0)
     trainer = Trainer(config, hf, None)
-    groups = make_groups(args, hf["vocab_size"])
-    budget = config.batching.max_tokens_per_microbatch
-    per_rank = plan_step(groups, ps.get_data_parallel_world_size(), budget, "token_mean")
-    microbatches = per_rank[ps.get_data_parallel_rank()]
+    if args.exact_shapes:  # the baseline of the A/B: each bucket's padded attention shape as it comes
+        from streamrl.learner.model import attention
+
+        attention.grid_size = lambda n: n  # noqa: E731
+
+    def step_groups(step: int) -> tuple[list, list]:
+        groups = make_groups(args, hf["vocab_size"], seed=step if args.vary else 0)
+        budget = config.batching.max_tokens_per_microbatch
+        per_rank = plan_step(groups, ps.get_data_parallel_world_size(), budget, "token_mean")
+        return groups, per_rank[ps.get_data_parallel_rank()]
+
+    groups, microbatches = step_groups(0)
     cuda = torch.cuda.is_available()  # a CPU run (gloo) only checks the script
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    results = []
+    results, tokens = [], []
     for step in range(args.steps + 1):  # the first is the warm-up
+        if args.vary and step:
+            groups, microbatches = step_groups(step)
+        tokens.append(sum(len(g.prompt_ids) * len(g.lengths) + int(sum(g.lengths)) for g in groups))
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
@@ -84,16 +98,17 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         else:
             extra()
     if rank == 0:
-        tokens = sum(len(g.prompt_ids) * len(g.lengths) + int(sum(g.lengths)) for g in groups)
         (out / "rank0.json").write_text(
             json.dumps(
                 {
                     "step_seconds": seconds,
                     "steps": [s for s, _ in timed],
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / seconds,
+                    "tokens": int(np.median(tokens[1:])),
+                    "tokens_per_s": sum(tokens[1:]) / sum(s for s, _ in timed),
+                    "vary": args.vary,
+                    "exact_shapes": args.exact_shapes,
                     "microbatches_rank0": len(microbatches),
-                    "mfu": float(np.median([m["perf/mfu"] for _, m in timed])),
+                    "mfu": float(np.median([m.get("perf/mfu", np.nan) for _, m in timed])),  # nan: no peak_tflops
                     "phases": {k: v for k, v in timed[-1][1].items() if k.startswith("perf/")},
                     "peak_allocated_gb": max(m["perf/peak_memory_gib"] for _, m in results) * 2**30 / GB,
                     "peak_reserved_gb": float(reserved),
@@ -117,16 +132,21 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="one more step with rank 0 under torch.profiler: its top GPU kernels"
     )
+    parser.add_argument("--vary", action="store_true", help="new response lengths every step, as RL's")
+    parser.add_argument(
+        "--exact-shapes", action="store_true", help="padded attention shapes not rounded (the baseline of an A/B)"
+    )
     args = parser.parse_args()
 
     from streamrl.config import load_config
     from streamrl.net import free_port
+    from streamrl.orchestrate import model_architecture
     from streamrl.plan import plan_memory
 
     config = load_config(args.config, args.overrides)
     cuda = torch.cuda.is_available()
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if cuda else config.cluster.gpu_memory_gb
-    plan = plan_memory(config, config.model.architecture, gpu_gb)
+    plan = plan_memory(config, model_architecture(config), gpu_gb)
     stage = max(plan.learner, key=lambda s: s.total)  # the fullest learner GPU
     world = config.learner.world_size
     if cuda and torch.cuda.device_count() < world:
@@ -173,7 +193,8 @@ def main() -> None:
         f"{result['tokens']} tokens a step"
     )
     print(f"{'':<28}{'measured':>10}{'plan':>10}")
-    print(f"{'step s':<28}{result['step_seconds']:>10.2f}")
+    print(f"{'step s':<28}{result['step_seconds']:>10.2f}   (steps: {', '.join(f'{s:.2f}' for s in result['steps'])})")
+    print(f"{'tokens/s':<28}{result['tokens_per_s']:>10.0f}")
     print(f"{'MFU (989 TFLOP/s)':<28}{result['mfu']:>10.3f}")
     print(f"{'peak GPU GB (reserved)':<28}{result['peak_reserved_gb']:>10.1f}{result['plan']['gpu_gb']:>10.1f}")
     print(f"{'peak GPU GB (allocated)':<28}{result['peak_allocated_gb']:>10.1f}")

@@ -141,10 +141,10 @@ def report(result: dict, shape: str) -> None:
     )
 
 
-def make_groups(args: argparse.Namespace, vocab: int) -> list:
+def make_groups(args: argparse.Namespace, vocab: int, seed: int = 0) -> list:
     from streamrl.types import Trajectory, TrajectoryGroup
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     groups = []
     for g in range(args.groups):
         prompt = rng.integers(0, vocab, args.prompt_len).astype(np.int32)

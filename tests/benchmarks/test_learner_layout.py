@@ -1,5 +1,6 @@
 """`benchmarks/learner_layout.py` runs on CPU (gloo): the GPU runs of a preset's learner start from this script, and a
-device session must not find it broken. The preset's layout (EP 4 over 4 ranks) on a shrunken model."""
+device session must not find it broken. The preset's layout (EP 4 over 4 ranks) on a shrunken model, new lengths each
+step (`--vary`) with the attention shapes unrounded (`--exact-shapes`)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ SMALL = [
 def test_a_presets_learner_steps_at_its_layout_next_to_the_plan(tmp_path: Path) -> None:
     out = tmp_path / "layout.json"
     command = [sys.executable, "benchmarks/learner_layout.py", "-c", "configs/qwen3-30b-a3b.yaml", "cluster.gpus=4"]
-    command += [*SMALL, "--steps", "1", "--groups", "2", "--n", "2", "--mean-len", "32", "--max-len", "64"]
-    command += ["--prompt-len", "16", "--profile", "--out", str(out)]
+    command += [*SMALL, "--steps", "2", "--groups", "2", "--n", "2", "--mean-len", "32", "--max-len", "64"]
+    command += ["--prompt-len", "16", "--profile", "--vary", "--exact-shapes", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["gpus"] == 4 and result["layout"]["expert_parallel"] == 4
+    assert result["vary"] and result["exact_shapes"] and len(result["steps"]) == 2
     # 2 groups x 2 responses of 16-64 tokens (lognormal around 32, clipped) after 16-token prompts.
     assert 2 * 2 * (16 + 16) <= result["tokens"] <= 2 * 2 * (16 + 64) and result["step_seconds"] > 0
     assert result["plan"]["gpu_gb"] > 0 and result["plan"]["host_gb"] > 0

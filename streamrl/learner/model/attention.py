@@ -12,7 +12,10 @@ attention both ran slower than cuDNN's attention on the sequences themselves).
   the result is `[T, heads * d]`. Sequences of similar length share one SDPA call as a right-padded batch
   (`attention_buckets`): under a causal mask a real query never sees a padding key, and padding queries are
   dropped, so the result is each sequence's own attention, while a micro-batch of hundreds of short RL responses
-  costs a few calls instead of one per sequence. The padded rows are gathered in and the real rows gathered back
+  costs a few calls instead of one per sequence. Each bucket's padded length and sequence count are rounded up to
+  `grid_size` (at most a quarter more; whole padding sequences fill the count): cuDNN builds an attention graph for
+  every new shape (tens of milliseconds each, forward and backward), and RL micro-batches, whose lengths change every
+  step, would otherwise build new ones every step. The padded rows are gathered in and the real rows gathered back
   out, and both backwards are gathers too (`_ToPadded`, `_FromPadded`): a padding row's gradient is exactly zero
   (its output is dropped, and no real query sees it), so each real row takes its gradient from its own slot, with
   no accumulating scatter (whose sort, on the GPU, cost more than the attention's own forward kernels). RoPE
@@ -56,6 +59,15 @@ PAD_SLACK = 1.25
 FREE_AREA = 512 * 512
 
 
+def grid_size(n: int) -> int:
+    """`n` rounded up to the next of 1 .. 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four steps an octave, so at most
+    a quarter more): the sizes a padded attention batch takes, few enough that every one is built once."""
+    if n <= 8:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 def attention_buckets(lengths: Sequence[int]) -> list[list[int]]:
     """Indices of the sequences that share one padded SDPA call, each bucket longest first, buckets longest first
     (greedy over the sequences sorted by length; see PAD_SLACK)."""
@@ -76,20 +88,23 @@ def attention_buckets(lengths: Sequence[int]) -> list[list[int]]:
 def _padded_plan(
     bounds: tuple[int, ...], device: torch.device
 ) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
-    """For packed boundaries: each bucket's (sequences, padded length), the packed rows that fill the buckets'
-    padded batches one after another (a padding slot repeats its sequence's first row), and for each packed row
-    its place among those padded rows."""
+    """For packed boundaries: each bucket's (sequences, padded length), both on `grid_size`, the packed rows that fill
+    the buckets' padded batches one after another (a padding slot repeats its sequence's first row; a whole padding
+    sequence, row 0), and for each packed row its place among those padded rows."""
     starts, lengths = bounds[:-1], [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     shapes, rows, back = [], [], np.empty(bounds[-1], np.int64)
     offset = 0
     for bucket in attention_buckets(lengths):
-        longest = lengths[bucket[0]]
+        longest, count = grid_size(lengths[bucket[0]]), grid_size(len(bucket))
         slots = np.arange(longest)
         for index in bucket:
             rows.append(starts[index] + np.where(slots < lengths[index], slots, 0))
             back[starts[index] : starts[index] + lengths[index]] = offset + slots[: lengths[index]]
             offset += longest
-        shapes.append((len(bucket), longest))
+        # Whole padding sequences: their outputs are dropped, so no real row's value or gradient depends on them.
+        rows.append(np.zeros((count - len(bucket)) * longest, np.int64))
+        offset += (count - len(bucket)) * longest
+        shapes.append((count, longest))
     as_index = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
     return shapes, as_index(np.concatenate(rows)), as_index(back)
 

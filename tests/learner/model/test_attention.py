@@ -1,10 +1,12 @@
 """Packed-sequence attention equals attention on each sequence alone (module, and full GPTModel vs HF per sequence).
 
 Module level: `PackedSequenceAttention` on a packed [T, heads, d] input (GQA) against a plain softmax reference run
-on each sequence separately (also with sequences in several padded buckets, output and gradients; the bucket plan's
-bound on padding), and its unpacked path against the same reference; on a GPU (marked `gpu`) the packed
-path in bf16 with the Qwen3-30B-A3B heads against the same reference in float64, output and gradients. Model level
-(TP=1; TP=2 is in test_packing.py): the log-probs of a packed micro-batch from `plan_step` against HF transformers
+on each sequence separately (also with sequences in several padded buckets, and with whole padding sequences that
+round a bucket's count up, output and gradients; the bucket plan's bound on padding; the few padded shapes that RL
+micro-batches of changing lengths take), and its unpacked path against the same reference; on a GPU (marked `gpu`)
+the packed path in bf16 with the Qwen3-30B-A3B heads against the same reference in float64, output and gradients.
+Model level (TP=1; TP=2 is in test_packing.py): the log-probs of a packed micro-batch from `plan_step` against HF
+transformers
 run on each sequence separately, within 1e-5.
 """
 
@@ -24,7 +26,14 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from streamrl.batching.microbatch import plan_step
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
-from streamrl.learner.model.attention import FREE_AREA, PAD_SLACK, PackedSequenceAttention, attention_buckets
+from streamrl.learner.model.attention import (
+    FREE_AREA,
+    PAD_SLACK,
+    PackedSequenceAttention,
+    _padded_plan,
+    attention_buckets,
+    grid_size,
+)
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import microbatch_logprobs, token_logprobs
 from tests.queue.test_codec import make_group
@@ -95,6 +104,11 @@ def test_buckets_hold_every_sequence_once_and_bound_their_padding() -> None:
 def test_sequences_in_several_padded_buckets_attend_as_alone_output_and_gradients() -> None:
     lengths = [700, 40, 650, 3, 1, 600, 90]  # two buckets: 700/650/600 and 90/40/3/1, both with padding
     assert len(attention_buckets(lengths)) == 2
+    _packed_matches_reference(lengths)
+
+
+def _packed_matches_reference(lengths: list[int]) -> None:
+    """Output and input gradients of the packed attention against the float64 reference on each sequence alone."""
     leaves = [t.requires_grad_() for t in _qkv(sum(lengths))]
     out = _attention()(*leaves, None, packed_seq_params=_packed_params(lengths))
     cotangent = torch.randn_like(out)
@@ -105,6 +119,34 @@ def test_sequences_in_several_padded_buckets_attend_as_alone_output_and_gradient
     expected_grads = torch.autograd.grad((expected * cotangent.double()).sum(), exact)
     for result, reference in zip([out, *grads], [expected, *expected_grads], strict=True):
         assert (result.double() - reference).abs().max().item() < 1e-5
+
+
+def test_whole_padding_sequences_change_no_output_or_gradient() -> None:
+    lengths = [5, 1, 9, 3, 2, 7, 4, 6, 8]  # one bucket of 9 sequences, padded to 10 of length 10
+    shapes, rows, _ = _padded_plan(tuple(np.concatenate([[0], np.cumsum(lengths)]).tolist()), torch.device("cpu"))
+    assert shapes == [(10, 10)] and len(rows) == 100
+    _packed_matches_reference(lengths)
+
+
+def test_padded_shapes_are_few_across_changing_micro_batches() -> None:
+    """cuDNN builds an attention graph per new shape: micro-batches of RL responses whose lengths change every step
+    must keep meeting shapes already built."""
+    assert [grid_size(n) for n in (1, 7, 8, 9, 16, 17, 33, 100, 1000)] == [1, 7, 8, 10, 16, 20, 40, 112, 1024]
+    assert all(n <= grid_size(n) <= 1.25 * n and grid_size(grid_size(n)) == grid_size(n) for n in range(1, 5000))
+    rng = np.random.default_rng(0)
+    seen: set[tuple[int, int]] = set()
+    raw: set[tuple[int, int]] = set()
+    new_shapes = []
+    for _ in range(200):  # 200 steps of 256 responses: mostly ~64 tokens, one in eight ~8x longer, plus a prompt
+        lengths = 32 + np.minimum(rng.lognormal(np.log(64), 0.5, 256) * np.where(rng.random(256) < 0.125, 8, 1), 480)
+        lengths = lengths.astype(int).tolist()
+        shapes, _, _ = _padded_plan(tuple(np.concatenate([[0], np.cumsum(lengths)]).tolist()), torch.device("cpu"))
+        new_shapes.append(len(set(shapes) - seen))
+        seen.update(shapes)
+        raw.update((len(b), lengths[b[0]]) for b in attention_buckets(lengths))
+    # Measured: 71 shapes in all (681 unrounded), 40 of them by step 20, 1 in the last 60 steps.
+    assert len(seen) <= 100 and len(raw) >= 5 * len(seen), (len(seen), len(raw))
+    assert sum(new_shapes[100:]) <= 10, new_shapes
 
 
 def test_unpacked_attention_is_causal_per_row() -> None:
