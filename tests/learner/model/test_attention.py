@@ -6,8 +6,7 @@ round a bucket's count up, output and gradients; the bucket plan's bound on padd
 micro-batches of changing lengths take), and its unpacked path against the same reference; on a GPU (marked `gpu`)
 the packed path in bf16 with the Qwen3-30B-A3B heads against the same reference in float64, output and gradients.
 Model level (TP=1; TP=2 is in test_packing.py): the log-probs of a packed micro-batch from `plan_step` against HF
-transformers
-run on each sequence separately, within 1e-5.
+transformers run on each sequence separately, within 1e-5.
 """
 
 from __future__ import annotations
