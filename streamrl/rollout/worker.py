@@ -92,6 +92,10 @@ class RolloutWorker:
         to_run_logs(config.run.dir, self.engine_id, config.run.verbose)
         rollout = config.rollout
         self.engine = VLLMEngine(str(config.model.path), **engine_settings(config, engine_index))
+        # vLLM's Ray executor: the workers are actors of their own, on their bundles' nodes and GPUs (this actor holds
+        # none), which the placement record lists.
+        ray_workers = rollout.executor == "ray"
+        self.workers = self.engine.llm.collective_rpc("streamrl_worker_placement") if ray_workers else None
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(config.model.path), trust_remote_code=config.model.trust_remote_code
         )
@@ -142,8 +146,12 @@ class RolloutWorker:
     def ready(self) -> dict[str, Any]:
         """Identity, the version this engine runs and the latest one announced (a restarted engine lags)."""
         announced = self.redis.get(self.keys.policy_version)
+        where = ray_node()
+        if self.workers:  # the GPUs its workers hold on this node (GPU ids are per node), and where each worker runs
+            where["gpus"] = sorted(g for w in self.workers if w["node_id"] == where["node_id"] for g in w["gpus"])
+            where["workers"] = self.workers
         return {
-            **ray_node(),
+            **where,
             "engine_id": self.engine_id,
             "start_s": self.start_s,
             "version": self.engine.policy_version,

@@ -92,6 +92,13 @@ class InWorkerReceiver:
             self._streamrl_refresh(model)  # type: ignore[attr-defined]
         return {"version": versions[0], "error": None, "lost": False}
 
+    def streamrl_worker_placement(self) -> dict[str, Any]:
+        """A worker of vLLM's Ray executor (a Ray actor of its own): its rank in the engine, its node and the GPU of its
+        placement-group bundle."""
+        from streamrl.net import ray_node
+
+        return {"rank": int(self.rank), **ray_node()}  # type: ignore[attr-defined]
+
     def streamrl_worker_info(self) -> dict[str, Any]:
         """This worker's rank in its engine and the bytes of its own (sharded) parameters."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
