@@ -12,7 +12,9 @@ step's, the GPU busy fraction of the engines' and the learner's GPUs (over the w
 stale drops, the reward per consumed sample (every step consumes the same number of samples) and the reward at
 equal versions (of the samples that the same policy versions generated: the last quarter of the versions every
 arrangement reached; a step's version is the learner's before it less the step's mean lag). `--only sync
-colocated async-2 ...` runs a subset (a long comparison split over several invocations). The async backlog is
+colocated async-2 ...` runs a subset (a long comparison split over several invocations, whose JSON files
+`--merge A.json B.json ... --out PATH` joins into one table, the reward at equal versions taken over all of them).
+The async backlog is
 `staleness + 1` steps of groups, everything the staleness gate lets into the system (the gate, not the backlog,
 keeps the lag of consumed groups within the bound; a smaller backlog would keep finished groups out of the stream
 while the learner waits for them); sync holds one step. Each arrangement starts from an empty
@@ -144,7 +146,7 @@ def _reward_at_equal_versions(runs: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-c", "--config", type=Path, required=True)
+    parser.add_argument("-c", "--config", type=Path)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--colocated", action="store_true", help="also the colocated synchronous arrangement")
@@ -155,8 +157,14 @@ def main() -> None:
         "--only", nargs="+", help="run only these arrangements (sync, colocated, async-S): a run split over calls"
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_async_vs_sync.json"))
+    parser.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON files into one table (no run)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
+    if args.config is None:
+        parser.error("-c/--config is required (unless --merge)")
     if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
         parser.error(f"--warmup-steps: {args.warmup_steps} must be in [0, --steps)")
     for name in args.only or []:
@@ -186,7 +194,25 @@ def main() -> None:
         save()
     _reward_at_equal_versions(runs)
     save()
-    # Steady state, against the faster synchronous arrangement (when this run has one).
+    print_table(runs)
+    print(f"wrote {args.out}")
+
+
+def merge(paths: list[Path], out: Path) -> None:
+    """The arrangements of several invocations as one comparison: their runs (each tagged with its file's
+    overrides), the reward at equal versions over all of them, one table."""
+    runs: list[dict[str, Any]] = []
+    for path in paths:
+        part = json.loads(path.read_text())
+        runs += [{**run, "config": part["config"], "overrides": part["overrides"]} for run in part["runs"]]
+    _reward_at_equal_versions(runs)
+    out.write_text(json.dumps({"merged": [str(p) for p in paths], "runs": runs}, indent=1))
+    print_table(runs)
+    print(f"wrote {out}")
+
+
+def print_table(runs: list[dict[str, Any]]) -> None:
+    """Steady state, against the faster synchronous arrangement (when the runs have one)."""
     synced = [r["steady_trained_tokens_per_s"] for r in runs if r["mode"] != "async"]
     sync = max(synced) if synced else None
     print(
@@ -206,7 +232,6 @@ def main() -> None:
             f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} | "
             f"{r['reward_at_equal_versions']:.3f} |"
         )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

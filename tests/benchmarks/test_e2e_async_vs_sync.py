@@ -1,8 +1,9 @@
 """`benchmarks/e2e_async_vs_sync.py`'s reward at equal versions: each arrangement's reward over the same policy
-versions, whatever lag its samples had."""
+versions, whatever lag its samples had; a comparison run in several invocations merged into one table."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks import each other
 
-from e2e_async_vs_sync import _reward_at_equal_versions  # noqa: E402
+from e2e_async_vs_sync import _reward_at_equal_versions, merge  # noqa: E402
+
+MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "e2e_async_vs_sync_large_4gpu.json"
 
 
 def _run(steps: int, lag: int, reward_of_version: float) -> dict:
@@ -31,3 +34,19 @@ def test_async_is_compared_on_the_versions_sync_also_reached() -> None:
     # Per consumed sample the lagged run scores less, by its lag: what the column corrects for.
     consumed = [sum(r for _, r in run["reward_by_version"]) / 16 for run in (sync, lagged)]
     assert consumed[1] < consumed[0]
+
+
+def test_invocations_merge_into_one_comparison(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The 4-GPU runs of the ~3.6B model, split as they ran (sync arrangements, then async), merged again."""
+    runs = json.loads(MEASURED.read_text())["runs"]
+    parts = []
+    for name, part in (("sync", [r for r in runs if r["mode"] != "async"]), ("async", runs[2:4])):
+        parts.append(tmp_path / f"{name}.json")
+        parts[-1].write_text(json.dumps({"config": "c.yaml", "overrides": [name], "runs": part}))
+    merge(parts, tmp_path / "merged.json")
+    merged = json.loads((tmp_path / "merged.json").read_text())["runs"]
+    assert [r["mode"] for r in merged] == ["sync", "colocated", "async", "async"]
+    assert [r["overrides"] for r in merged] == [["sync"], ["sync"], ["async"], ["async"]]
+    assert len({tuple(r["reward_versions"]) for r in merged}) == 1  # one window of versions for every arrangement
+    table = capsys.readouterr().out
+    assert "| async | 4 |" in table and "| 1.57 |" in table  # against the faster sync arrangement (split, 7.5k)
