@@ -84,6 +84,12 @@ class Config(_Section):
             raise ValueError("rollout.executor: 'ray' needs run.device=cuda (vLLM's CPU build has no Ray executor)")
         self._check_nodes()
         self._check_gpus()
+        stage_size = self.learner.world_size // self.learner.pipeline_parallel
+        if self.train.colocated_publish == "gpu" and self.colocated and stage_size == 1:
+            raise ValueError(
+                "train.colocated_publish: 'gpu' sends each stage from a second rank to the engine worker on the first "
+                "rank's GPU, and the learner's stages have one rank; use 'host'"
+            )
         if self.rollout.executor == "ray" and self.colocated:
             # Colocated engines take their GPUs from the learner's placement groups, packed a node each.
             raise ValueError("rollout.executor: 'ray' places an engine's GPUs of its own; colocated engines use 'mp'")
@@ -98,8 +104,9 @@ class Config(_Section):
     @property
     def weights_device(self) -> str:
         """Where the weight groups move versions: the GPUs over NCCL, except between colocated learner ranks and
-        engines, which share GPUs (NCCL refuses two members on one GPU): there over gloo through host memory."""
-        return "cpu" if self.colocated else self.run.device
+        engines, which share GPUs (NCCL refuses two members on one GPU): there over gloo through host memory, unless
+        `train.colocated_publish=gpu` (no group then holds two members on one GPU: `streamrl.weights.group_plan`)."""
+        return "cpu" if self.colocated and self.train.colocated_publish == "host" else self.run.device
 
     def _check_gpus(self) -> None:
         gpus, cluster = self.cluster.gpus, self.cluster

@@ -39,8 +39,6 @@ class LearnerWorker:
     def __init__(
         self, config: Config, rank: int, master_addr: str, master_port: int, redis_url: str, redis_password: str | None
     ):
-        from megatron.core import parallel_state as ps
-
         self.config, self.rank = config, rank
         to_run_logs(config.run.dir, f"learner-{rank}", config.run.verbose)
         ranks_per_node = -(-config.learner.world_size // config.cluster.nodes)
@@ -52,9 +50,8 @@ class LearnerWorker:
         self.version = 0  # policy version of the current weights: number of optimizer steps taken
         # Rank 0 reads the queue; the step source hands every rank its share of each step.
         self.steps = StepSource.for_rank(config, rank, redis_url, redis_password, self.hf_config, self.trainer.device)
-        # The first rank of each pipeline stage sends the stage's weights to the engines.
-        ranks = (ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(), ps.get_data_parallel_rank())
-        self.publisher = StagePublisher(config.train, config.weights_device, is_sender=ranks == (0, 0, 0))
+        # The ranks the driver makes senders (`streamrl.weights.group_plan`) send their stage's weights to engines.
+        self.publisher = StagePublisher(config.train, config.weights_device)
         self._share_gpu = config.colocated and self.trainer.device.type == "cuda"
         trainer = self.trainer
         self.parking = HostParking(
@@ -99,13 +96,13 @@ class LearnerWorker:
         """A sender: where engines reach its weight-group store."""
         return self.publisher.address()
 
-    def is_sender(self) -> bool:
-        """Whether this rank sends its pipeline stage's weights: the first rank of each stage."""
-        return self.publisher.is_sender
-
     def open_weights(self, host: str, port: int, world_size: int, generation: int) -> None:
-        """A sender becomes rank 0 of a new weight group for its stage; a previous one is dropped."""
+        """Become rank 0 (the sender) of a new weight group for this rank's stage; a previous one is dropped."""
         self.publisher.open(host, port, world_size, generation)
+
+    def close_weights(self) -> None:
+        """Send no more (the groups are formed anew, maybe without this rank as a sender)."""
+        self.publisher.close()
 
     def publish(self, version: int) -> dict[str, float]:
         """All ranks stream their stage in HF names (TP shards and EP experts gathered, cast to the engine dtype);

@@ -48,7 +48,7 @@ class Cluster:
         self.engines: list[Any] = []  # slot i holds the actor of engine i (replaced on restart)
         self.engine_loops: list[Any] = []
         self.learner_group: LearnerGroup | None = None
-        self.publisher = Publisher(self, config.train, config.rollout.gpus_per_engine)
+        self.publisher = Publisher(self, config)
         self.engines_restarted = 0
         self.restarting: set[int] = set()  # engine slots being replaced right now
         self.slot_restarts: dict[int, int] = {}  # engine slot -> restarts so far (the backoff doubles with each)
@@ -233,11 +233,6 @@ class Cluster:
     def learners(self) -> list[Any]:
         """The learner ranks' actors (new ones after a restart of the group)."""
         return self.learner_group.ranks if self.learner_group is not None else []
-
-    @property
-    def senders(self) -> list[Any]:
-        """The learner ranks that send weights: the first of each pipeline stage."""
-        return self.learner_group.senders if self.learner_group is not None else []
 
     def learner_step(self, step: int) -> dict[str, float]:
         """Step `step` on every learner rank; rank 0's metrics. Async, the driver first waits until the stream

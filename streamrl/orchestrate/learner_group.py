@@ -34,7 +34,6 @@ class LearnerGroup:
         self.config, self.placement = config, placement
         self.redis_url, self.redis_password = redis_url, redis_password
         self.ranks: list[Any] = []
-        self.senders: list[Any] = []  # the ranks that send weights: the first of each pipeline stage
         self.restarts = 0
         self.ready: list[dict[str, Any]] = []
 
@@ -76,8 +75,6 @@ class LearnerGroup:
             for r in range(self.config.learner.world_size)
         ]
         self.ready = self._get([r.ready.remote() for r in self.ranks], self.config.learner.step_timeout_s, "start-up")
-        sending = self._get([r.is_sender.remote() for r in self.ranks], 60, "roles")
-        self.senders = [r for r, sends in zip(self.ranks, sending, strict=True) if sends]
 
     def step(self, number: int, waited_s: float = 0.0) -> dict[str, float]:
         return self.call("step", (waited_s,), f"step {number}")[0]
@@ -117,7 +114,7 @@ class LearnerGroup:
 
         for rank in self.ranks:
             ray.kill(rank)
-        self.ranks, self.senders = [], []
+        self.ranks = []
 
     def _get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         """Every rank's answer within `timeout_s`; a dead rank raises `LearnerDied` at once."""

@@ -358,19 +358,11 @@ class VLLMEngine:
         return stats
 
     def join_weight_groups(
-        self,
-        addresses: list[tuple[str, int]],
-        first_rank: int,
-        world_size: int,
-        generation: int,
-        timeout_s: float,
-        device: str,
+        self, memberships: list[list[tuple[str, int, int, int]]], generation: int, timeout_s: float, device: str
     ) -> None:
-        """Every worker joins the weight groups of `addresses` (one per learner stage) as receiver `first_rank` + its
-        rank in this engine (see `worker_receiver`)."""
-        self.llm.collective_rpc(
-            "streamrl_join_weight_groups", args=(addresses, first_rank, world_size, generation, timeout_s, device)
-        )
+        """Worker w joins one weight group per learner stage, `memberships[w]`: (host, port, rank, world size) each
+        (see `worker_receiver`)."""
+        self.llm.collective_rpc("streamrl_join_weight_groups", args=(memberships, generation, timeout_s, device))
 
     def receive_version(self) -> int:
         """Every worker receives and loads the next version from its weight groups; returns it. No decoding step may

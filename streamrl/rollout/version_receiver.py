@@ -53,20 +53,22 @@ class VersionReceiver:
         # buffers, which an apply still reads.
         self._applying = threading.Lock()
 
-    def join(self, addresses: list[tuple[str, int]], rank: int, world_size: int, generation: int) -> None:
-        """Become receiver `rank` of new weight groups, one per learner pipeline stage at `addresses` (collective
-        with the publishers' side; the stores may wait for each other, so they are joined concurrently)."""
+    def join(self, memberships: list[list[tuple[str, int, int, int]]], generation: int) -> None:
+        """Join new weight groups, one per learner pipeline stage: `memberships[w]` is worker w's (host, port, rank,
+        world size) in each (`streamrl.weights.group_plan`; collective with the senders' side; the stores may wait
+        for each other, so they are joined concurrently)."""
         timeout, device = self.config.train.publish_timeout_s, self.config.weights_device
         if self.sharded:  # collective_rpc is the loop's to call
             joining = self.engine.join_weight_groups
-            self.on_loop(lambda: joining(addresses, rank, world_size, generation, timeout, device), timeout)
+            self.on_loop(lambda: joining(memberships, generation, timeout, device), timeout)
         else:
 
-            def join(address: tuple[str, int]) -> WeightGroup:
-                return WeightGroup(address[0], address[1], rank, world_size, generation, timeout, device)
+            def join(member: tuple[str, int, int, int]) -> WeightGroup:
+                host, port, rank, world_size = member
+                return WeightGroup(host, port, rank, world_size, generation, timeout, device)
 
-            with ThreadPoolExecutor(len(addresses)) as pool:
-                self.groups = list(pool.map(join, addresses))
+            with ThreadPoolExecutor(len(memberships[0])) as pool:
+                self.groups = list(pool.map(join, memberships[0]))
         self.joined = True
 
     def receive(self) -> int:

@@ -369,9 +369,13 @@ class RolloutWorker:
         return future.result(timeout=timeout_s)
 
     # -- weights ----------------------------------------------------------------------------------
-    def join_weight_groups(self, addresses: list[tuple[str, int]], rank: int, world_size: int, generation: int) -> None:
-        """Become receiver `rank` of new weight groups (`VersionReceiver.join`)."""
-        self.receiver.join(addresses, rank, world_size, generation)
+    def slot(self) -> int:
+        """This engine's slot in the job (a replacement takes its predecessor's)."""
+        return int(self.engine_id.removeprefix("engine-"))
+
+    def join_weight_groups(self, memberships: list[list[tuple[str, int, int, int]]], generation: int) -> None:
+        """Join new weight groups: per worker, per stage, (host, port, rank, world size) (`VersionReceiver.join`)."""
+        self.receiver.join(memberships, generation)
 
     def receive_weights(self) -> int:
         """Receive one whole version and have it applied; returns the version running (`VersionReceiver.receive`)."""

@@ -6,8 +6,8 @@ Contract
 `collective_rpc` (an engine of several GPUs runs vLLM's multiprocess executor: tensors cannot pass by reference
 from the engine's process to its workers, so each worker is a member of the weight groups itself):
 
-- `streamrl_join_weight_groups(addresses, first_rank, world_size, generation, timeout_s, device)`: the worker of
-  engine rank r becomes receiver `first_rank + r` of one new weight group per learner pipeline stage.
+- `streamrl_join_weight_groups(memberships, generation, timeout_s, device)`: the worker of engine rank r joins one
+  new weight group per learner pipeline stage, `memberships[r]`: (host, port, rank, world size) each.
 - `streamrl_receive_version()`: receives one version bucket by bucket (`WeightGroup.receive_buckets`: at most two
   buckets staged, never the model) and loads each through vLLM's layerwise reload, whose weight loaders take the
   HF tensors in the learner's full (gathered) layout and keep the slices this worker's TP rank owns, and the experts
@@ -39,24 +39,19 @@ class InWorkerReceiver:
     """Mixed into vLLM's Worker (through `WeightReloadExtension`); `self` is the worker (`rank`, `model_runner`)."""
 
     def streamrl_join_weight_groups(
-        self,
-        addresses: list[tuple[str, int]],
-        first_rank: int,
-        world_size: int,
-        generation: int,
-        timeout_s: float,
-        device: str,
-    ) -> int:
-        """Join one weight group per stage address as receiver `first_rank` + this worker's rank; returns the rank.
-        The groups of several stages rendezvous with their publishers at once, so they are joined concurrently."""
-        rank = first_rank + int(self.rank)  # type: ignore[attr-defined]
+        self, memberships: list[list[tuple[str, int, int, int]]], generation: int, timeout_s: float, device: str
+    ) -> list[int]:
+        """Join this worker's weight group of each stage, `memberships[rank]`; returns its rank in each. The groups
+        of several stages rendezvous with their senders at once, so they are joined concurrently."""
+        mine = memberships[int(self.rank)]  # type: ignore[attr-defined]
 
-        def join(address: tuple[str, int]) -> WeightGroup:
-            return WeightGroup(address[0], address[1], rank, world_size, generation, timeout_s, device)
+        def join(member: tuple[str, int, int, int]) -> WeightGroup:
+            host, port, rank, world_size = member
+            return WeightGroup(host, port, rank, world_size, generation, timeout_s, device)
 
-        with ThreadPoolExecutor(len(addresses)) as pool:
-            self._streamrl_groups = list(pool.map(join, addresses))
-        return rank
+        with ThreadPoolExecutor(len(mine)) as pool:
+            self._streamrl_groups = list(pool.map(join, mine))
+        return [rank for _, _, rank, _ in mine]
 
     def streamrl_receive_version(self) -> dict[str, Any]:
         """Receive and load one whole version from every stage; see the module docstring. Answers a dict (the

@@ -1,12 +1,13 @@
 """The publisher: one weight version from the learner's ranks to every engine, from gather to the engines' commit.
 
 Two sides, one per process kind:
-- `StagePublisher` lives in each learner rank. The first rank of every pipeline stage is its stage's sender: it
-  opens the stage's `WeightGroup` (rank 0 of it) and sends the HF-named tensors the learner gathers for it, bucket
-  by bucket; the other ranks only drive the gathers they take part in (TP shards, EP experts). With
+- `StagePublisher` lives in each learner rank. A rank the driver made rank 0 of a `WeightGroup` sends its stage's
+  HF-named tensors into it, bucket by bucket (the first rank of every stage, and colocated its second rank too:
+  `group_plan.py`); every rank drives the gathers it takes part in (TP shards, EP experts). With
   `train.publish_lag` (an ablation knob) it keeps that many past versions and sends the oldest instead.
-- `Publisher` lives in the driver. It forms the weight groups (one per stage; every engine receives from every
-  stage; an engine of several GPUs takes one receiving rank per GPU, `ranks_per_engine`), starts the learner's
+- `Publisher` lives in the driver. It forms the weight groups of `plan_groups` (every engine worker receives every
+  stage once; an engine of several GPUs takes one receiving rank per GPU; colocated, the worker on a sender's GPU
+  receives from the stage's second rank), starts the learner's
   sends and the engines' receives together, waits for both (bounded by
   `train.publish_timeout_s`), checks that every engine runs the published version (a version is applied whole or
   not at all: docs/DESIGN.md, invariant 3) and announces it. A dead engine found by a failed publish is replaced
@@ -25,7 +26,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from streamrl.config import TrainConfig
+from streamrl.config import Config, TrainConfig
+from streamrl.weights.group_plan import GroupPlan, plan_groups
 from streamrl.weights.transport import WeightGroup
 
 logger = logging.getLogger(__name__)
@@ -33,16 +35,16 @@ NamedTensorStream = Iterator[tuple[str, torch.Tensor]]
 
 
 class StagePublisher:
-    """A learner rank's side of publishing; `is_sender` for the first rank of a pipeline stage."""
+    """A learner rank's side of publishing; it sends once the driver made it rank 0 of a weight group (`open`)."""
 
-    def __init__(self, train: TrainConfig, device: str, is_sender: bool):
-        self.train, self.device, self.is_sender = train, device, is_sender
+    def __init__(self, train: TrainConfig, device: str):
+        self.train, self.device = train, device
         self.group: WeightGroup | None = None
         self._store: dist.TCPStore | None = None  # a sender: the store of the group being formed, listening already
         self._past_versions: deque[tuple[int, list[tuple[str, torch.Tensor]]]] = deque()  # train.publish_lag
 
     def address(self) -> tuple[str, int]:
-        """A sender: where engines reach its next weight group's store: this node's IP (never loopback) and the port
+        """Where engines reach this rank's next weight group's store: this node's IP (never loopback) and the port
         of a store that listens from now on (bound to a port the system picks, so no other process can take the
         port between this answer and the group's forming, as one picked free and bound later could be)."""
         import ray
@@ -53,29 +55,30 @@ class StagePublisher:
         return host, self._store.port
 
     def open(self, host: str, port: int, world_size: int, generation: int) -> None:
-        """A sender becomes rank 0 of a new weight group for its stage on the store `address` opened; a previous
+        """Become rank 0 of a new weight group for this rank's stage on the store `address` opened; a previous
         group is dropped."""
-        if self.is_sender:
-            if self._store is None or self._store.port != port:
-                raise RuntimeError(f"learner: weight group port {port} is not the one this sender opened")
-            timeout_s = self.train.publish_timeout_s
-            self.group = WeightGroup(host, port, 0, world_size, generation, timeout_s, self.device, store=self._store)
+        if self._store is None or self._store.port != port:
+            raise RuntimeError(f"learner: weight group port {port} is not the one this sender opened")
+        timeout_s = self.train.publish_timeout_s
+        self.group = WeightGroup(host, port, 0, world_size, generation, timeout_s, self.device, store=self._store)
+
+    def close(self) -> None:
+        """No longer a sender (a new generation of groups that does not include this rank)."""
+        self.group = None
 
     def publish(self, version: int, named: NamedTensorStream) -> dict[str, float]:
         """Send `named` (consumed lazily: the gathers run as buckets are packed) as `version`; a sender returns its
-        stage's publish metrics, the other ranks an empty dict."""
+        group's publish metrics, the other ranks an empty dict."""
         if self.train.publish_lag:
             self._past_versions.append((version, [(name, tensor.clone()) for name, tensor in named]))
             while len(self._past_versions) > self.train.publish_lag + 1:
                 self._past_versions.popleft()
             version, past = self._past_versions[0]
             named = iter(past)
-        if not self.is_sender:
+        if self.group is None:
             for _ in named:  # drive the TP / EP gathers this rank takes part in
                 pass
             return {}
-        if self.group is None:
-            raise RuntimeError("learner: publish before the weight group was opened")
         stats = self.group.publish(version, named, self.train.publish_bucket_bytes)
         return {
             "perf/publish_seconds": stats.seconds,
@@ -88,9 +91,8 @@ class StagePublisher:
 class Fleet(Protocol):
     """What the driver's publisher needs of the running job (Ray actor handles and their supervision)."""
 
-    engines: list[Any]  # engine actors: `join_weight_groups`, `receive_weights`
-    learners: list[Any]  # learner-rank actors: `publish`
-    senders: list[Any]  # the learner ranks that send (first of each stage): `weight_group_address`, `open_weights`
+    engines: list[Any]  # engine actors: `slot`, `join_weight_groups`, `receive_weights`
+    learners: list[Any]  # learner-rank actors, by rank: `publish`, `weight_group_address`, `open_weights`
 
     def get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]: ...
 
@@ -104,29 +106,36 @@ class Fleet(Protocol):
 class Publisher:
     """The driver's side: forms the weight groups and runs each publish to its commit."""
 
-    def __init__(self, fleet: Fleet, train: TrainConfig, ranks_per_engine: int = 1):
-        self.fleet, self.train = fleet, train
-        self.ranks_per_engine = ranks_per_engine  # an engine of several GPUs receives in each of its vLLM workers
+    def __init__(self, fleet: Fleet, config: Config):
+        self.fleet, self.train = fleet, config.train
+        learner = config.learner
+        self.stages, self.stage_size = learner.pipeline_parallel, learner.world_size // learner.pipeline_parallel
+        self.workers = config.rollout.gpus_per_engine  # an engine of several GPUs receives in each of its workers
+        self.colocated = config.colocated
+        self.plan: GroupPlan | None = None
         self.generation = 0
         self.stale = True  # the groups must be formed (anew) before the next publish
 
     def form_groups(self) -> None:
-        """New weight groups, one per pipeline stage: its sender sends to every live engine (collective set-up)."""
+        """New weight groups (`plan_groups`) between the learner's senders and every live engine (collective set-up)."""
         fleet = self.fleet
         self.generation += 1
-        addresses = fleet.get([s.weight_group_address.remote() for s in fleet.senders], 60, "weight group address")
-        ranks = self.ranks_per_engine
-        world = len(fleet.engines) * ranks + 1
+        slots = fleet.get([e.slot.remote() for e in fleet.engines], 60, "engine slots")
+        plan = plan_groups(self.stages, self.stage_size, slots, self.workers, self.colocated)
+        senders = [fleet.learners[group.sender] for group in plan.groups]
+        addresses = fleet.get([s.weight_group_address.remote() for s in senders], 60, "weight group address")
+        refs = [rank.close_weights.remote() for rank in fleet.learners]
+        fleet.get(refs, 60, "weight groups closed")
         refs = [
-            s.open_weights.remote(host, port, world, self.generation)
-            for s, (host, port) in zip(fleet.senders, addresses, strict=True)
+            s.open_weights.remote(host, port, group.world_size, self.generation)
+            for s, group, (host, port) in zip(senders, plan.groups, addresses, strict=True)
         ]
-        refs += [
-            e.join_weight_groups.remote(addresses, 1 + i * ranks, world, self.generation)
-            for i, e in enumerate(fleet.engines)
-        ]
+        for engine, per_worker in zip(fleet.engines, plan.memberships(), strict=True):
+            # each worker's (host, port, rank, world size) in the group of each stage
+            joins = [[(*addresses[g], rank, plan.groups[g].world_size) for g, rank in stages] for stages in per_worker]
+            refs.append(engine.join_weight_groups.remote(joins, self.generation))
         fleet.get(refs, self.train.publish_timeout_s, f"weight group {self.generation} set-up")
-        self.stale = False
+        self.plan, self.stale = plan, False
 
     def publish(self, version: int) -> dict[str, float]:
         """Send `version` to every engine and announce it; returns the publish metrics."""
@@ -152,7 +161,7 @@ class Publisher:
                 logger.warning("publish of version %d hit a dead engine; retrying (%s)", version, exc)
                 self.stale = True
                 continue
-            stats = merge_publish_stats(per_rank)
+            stats = merge_publish_stats(per_rank, {stage * self.stage_size for stage in range(self.stages)})
             published = int(stats["train/published_version"])  # older than `version` under train.publish_lag
             if any(v != published for v in running):
                 raise RuntimeError(f"publish of version {published}: engines report versions {running}")
@@ -178,10 +187,12 @@ def _wait_for_a_dead_engine(receives: list[Any], timeout_s: float) -> None:
                 pass
 
 
-def merge_publish_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One publish's metrics from its stage senders (other ranks report nothing); the stages send at once."""
-    stages = [stats for stats in per_rank if stats]
-    seconds = max(stats["perf/publish_seconds"] for stats in stages)
+def merge_publish_stats(per_rank: list[dict[str, float]], firsts: set[int]) -> dict[str, float]:
+    """One publish's metrics from its senders (other ranks report nothing), all sending at once: the time of the
+    slowest, the bytes and buckets of each stage once (those of its first rank: `firsts`; a stage's second rank
+    sends it again to the one worker on its first rank's GPU)."""
+    stages = [stats for rank, stats in enumerate(per_rank) if stats and rank in firsts]
+    seconds = max(stats["perf/publish_seconds"] for stats in per_rank if stats)
     total = sum(stats["perf/publish_bytes"] for stats in stages)
     return {
         "perf/publish_gbps": total / max(seconds, 1e-9) / 1e9,

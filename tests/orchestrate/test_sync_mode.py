@@ -2,7 +2,8 @@
 step starts from (lag 0), and the engines generate exactly one step's groups per step. The in-job parity check
 (`train.parity_every`) runs on every step of it. An engine lost while it generates a step's groups is replaced and
 samples its predecessor's part under the same weights; groups refused at admission are sampled again. The engines
-may share the learner's GPUs (colocated): they take turns."""
+may share the learner's GPUs (colocated): they take turns, and over two GPUs the engine on the sending rank's GPU
+receives each version from the other rank (`streamrl.weights.group_plan`), also once it was replaced."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from streamrl.config import ConfigError
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, train
-from tests.orchestrate.parity import assert_every_prompt_once, tiny_config
+from tests.orchestrate.parity import assert_every_prompt_once, assert_logprob_parity, tiny_config
 
 STEPS = 6
 
@@ -132,8 +133,8 @@ class _GrantKiller(threading.Thread):
 
 
 def test_a_colocated_engine_lost_between_turns_is_replaced_and_samples_under_the_step_weights(tmp_path: Path) -> None:
-    overrides = ["train.mode=sync", "cluster.gpus=1", "wandb.mode=disabled", "train.checkpoint_every=0"]
-    config = tiny_config(tmp_path, *overrides)
+    overrides = ["train.mode=sync", "cluster.gpus=2", "wandb.mode=disabled", "train.checkpoint_every=0"]
+    config = tiny_config(tmp_path, *overrides, "learner.data_parallel=2", "rollout.engines=2")
     groups = config.batching.groups_per_step
     prepare_run(config)
     with Cluster(config) as cluster:
@@ -145,6 +146,9 @@ def test_a_colocated_engine_lost_between_turns_is_replaced_and_samples_under_the
             cluster.wait_for_step_groups(version)
             cluster.sleep_engines()
 
+        # Engine 0 shares rank 0's GPU: rank 0 sends to engine 1, rank 1 to engine 0, each over its own group.
+        plan = cluster.publisher.plan
+        assert [(g.sender, g.receivers) for g in plan.groups] == [(0, ((1, 0),)), (1, ((0, 0),))]
         engines_turn(0)
         steps = [cluster.learner_step(1)]
         cluster.wake_engines(["weights"])
@@ -155,6 +159,11 @@ def test_a_colocated_engine_lost_between_turns_is_replaced_and_samples_under_the
         engines_turn(1)  # the replacement gets version 1 before it samples
         steps.append(cluster.learner_step(2))
         assert cluster.engines_restarted == 1 and cluster.engines[0] is not victim
+        assert cluster.publisher.plan == plan  # the replacement took its slot, so the GPU it shares: the same groups
+        cluster.wake_engines(["weights"])
+        cluster.publisher.publish(2)
+        for engine in range(2):  # both run version 2, each from its own sender
+            assert_logprob_parity(cluster, config, engine)
         assert_every_prompt_once(cluster.redis_client, config)
     assert all(step["queue/policy_lag_max"] == 0 for step in steps)
 

@@ -32,7 +32,11 @@ def process_engine(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iter
         tensor_parallel=workers,
     )
     port = free_port()
-    joined = _in_thread(lambda: engine.join_weight_groups([("127.0.0.1", port)], 1, 1 + workers, 0, TIMEOUT_S, "cpu"))
+    joined = _in_thread(
+        lambda: engine.join_weight_groups(
+            [[("127.0.0.1", port, 1 + w, 1 + workers)] for w in range(workers)], 0, TIMEOUT_S, "cpu"
+        )
+    )
     group = WeightGroup("127.0.0.1", port, 0, 1 + workers, generation=0, timeout_s=TIMEOUT_S)
     joined()
     yield engine, group

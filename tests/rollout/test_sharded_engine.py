@@ -31,7 +31,9 @@ def sharded(tiny_model_dir: Path) -> tuple[VLLMEngine, WeightGroup]:
     """A TP=2 engine of the tiny model whose two workers are ranks 1 and 2 of a weight group this process leads."""
     engine = VLLMEngine(tiny_model_dir, kv_cache_bytes=32 << 20, max_model_len=256, tensor_parallel=2)
     port = free_port()
-    joined = _in_thread(lambda: engine.join_weight_groups([("127.0.0.1", port)], 1, 3, 0, TIMEOUT_S, "cpu"))
+    joined = _in_thread(
+        lambda: engine.join_weight_groups([[("127.0.0.1", port, 1 + w, 3)] for w in range(2)], 0, TIMEOUT_S, "cpu")
+    )
     group = WeightGroup("127.0.0.1", port, 0, 3, generation=0, timeout_s=TIMEOUT_S)
     joined()
     return engine, group

@@ -21,7 +21,7 @@ def _receiver(host: str, port: int) -> None:
 
 
 def test_the_store_listens_from_the_address_on_and_the_group_forms_on_it() -> None:
-    publisher = StagePublisher(TrainConfig(publish_timeout_s=TIMEOUT_S), "cpu", is_sender=True)
+    publisher = StagePublisher(TrainConfig(publish_timeout_s=TIMEOUT_S), "cpu")
     host, port = publisher.address()
     with socket.create_connection((host, port), timeout=5):  # listening before any group is asked for
         pass
