@@ -14,6 +14,8 @@ from streamrl.queue import QueueKeys
 
 CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 PARITY_TOL = 1e-3
+# Fault tests replace dead engines at once: the backoff between restarts (2 s, doubling) is not what they test.
+QUICK_RESTART = "rollout.restart_backoff_s=0.1"
 
 
 def tiny_config(tmp_path: Path, *overrides: str) -> Config:

@@ -15,7 +15,7 @@ import ray
 
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run
-from tests.orchestrate.parity import assert_every_prompt_once, assert_logprob_parity, tiny_config
+from tests.orchestrate.parity import QUICK_RESTART, assert_every_prompt_once, assert_logprob_parity, tiny_config
 from tests.orchestrate.test_learning import ENGINE_TP2
 
 
@@ -23,6 +23,7 @@ from tests.orchestrate.test_learning import ENGINE_TP2
 def test_engine_killed_mid_publish_is_replaced_and_catches_up(tmp_path: Path) -> None:
     config = tiny_config(
         tmp_path,
+        QUICK_RESTART,
         "rollout.engines=2",
         "wandb.mode=disabled",
         "train.publish_timeout_s=30",
@@ -93,7 +94,12 @@ def _vllm_worker_pids(_actor: object) -> list[int]:
 @pytest.mark.slow
 def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path) -> None:
     config = tiny_config(
-        tmp_path, *ENGINE_TP2, "wandb.mode=disabled", "train.publish_timeout_s=30", "queue.max_staleness=100"
+        tmp_path,
+        *ENGINE_TP2,
+        QUICK_RESTART,
+        "wandb.mode=disabled",
+        "train.publish_timeout_s=30",
+        "queue.max_staleness=100",
     )
     prepare_run(config)
     with Cluster(config) as cluster:

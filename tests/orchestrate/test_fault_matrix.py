@@ -16,7 +16,7 @@ import ray
 from streamrl.config import Config
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, run_steps
-from tests.orchestrate.parity import assert_every_prompt_once, ledger, tiny_config
+from tests.orchestrate.parity import QUICK_RESTART, assert_every_prompt_once, ledger, tiny_config
 
 
 def _kill_at(config: Config, faults: list[tuple[int, Callable[[], None]]], errors: list[BaseException]) -> None:
@@ -36,6 +36,7 @@ def _kill_at(config: Config, faults: list[tuple[int, Callable[[], None]]], error
 def test_reward_still_rises_through_an_engine_a_learner_and_a_redis_kill(tmp_path: Path) -> None:
     config = tiny_config(
         tmp_path,
+        QUICK_RESTART,
         "rollout.engines=2",
         "train.checkpoint_every=25",
         "learner.max_restarts=1",

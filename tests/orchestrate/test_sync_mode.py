@@ -19,7 +19,7 @@ from streamrl.config import ConfigError
 from streamrl.monitor.wandb_files import read_history
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, train
-from tests.orchestrate.parity import assert_every_prompt_once, assert_logprob_parity, tiny_config
+from tests.orchestrate.parity import QUICK_RESTART, assert_every_prompt_once, assert_logprob_parity, tiny_config
 
 STEPS = 6
 
@@ -64,6 +64,7 @@ def test_an_engine_lost_mid_step_is_replaced_and_the_step_fills_on_policy(tmp_pa
     replacement of a group the learner refused (the driver, not the learner's wait, must see it)."""
     config = tiny_config(
         tmp_path,
+        QUICK_RESTART,
         "train.mode=sync",
         "rollout.engines=2",
         "batching.drop_constant_groups=true",  # refused groups must be sampled again for a step to fill
@@ -133,7 +134,7 @@ class _GrantKiller(threading.Thread):
 
 
 def test_a_colocated_engine_lost_between_turns_is_replaced_and_samples_under_the_step_weights(tmp_path: Path) -> None:
-    overrides = ["train.mode=sync", "cluster.gpus=2", "wandb.mode=disabled", "train.checkpoint_every=0"]
+    overrides = ["train.mode=sync", "cluster.gpus=2", "wandb.mode=disabled", "train.checkpoint_every=0", QUICK_RESTART]
     config = tiny_config(tmp_path, *overrides, "learner.data_parallel=2", "rollout.engines=2")
     groups = config.batching.groups_per_step
     prepare_run(config)
