@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, NoReturn
 
 from streamrl.config import Config
 from streamrl.rollout.engine import EngineLost, VLLMEngine
-from streamrl.weights import WeightGroup, receive_stages
+from streamrl.weights import WeightGroup, join_groups, receive_stages
 
 
 class VersionReceiver:
@@ -62,13 +62,7 @@ class VersionReceiver:
             joining = self.engine.join_weight_groups
             self.on_loop(lambda: joining(memberships, generation, timeout, device), timeout)
         else:
-
-            def join(member: tuple[str, int, int, int]) -> WeightGroup:
-                host, port, rank, world_size = member
-                return WeightGroup(host, port, rank, world_size, generation, timeout, device)
-
-            with ThreadPoolExecutor(len(memberships[0])) as pool:
-                self.groups = list(pool.map(join, memberships[0]))
+            self.groups = join_groups(memberships[0], generation, timeout, device)
         self.joined = True
 
     def receive(self) -> int:

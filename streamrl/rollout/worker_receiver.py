@@ -21,14 +21,13 @@ from the engine's process to its workers, so each worker is a member of the weig
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from streamrl.rollout.engine import EngineLost
 from streamrl.rollout.weight_checks import validate_bucket, validate_complete
-from streamrl.weights import WeightGroup
+from streamrl.weights import WeightGroup, join_groups
 
 
 class WeightsLost(EngineLost):
@@ -44,13 +43,7 @@ class InWorkerReceiver:
         """Join this worker's weight group of each stage, `memberships[rank]`; returns its rank in each. The groups
         of several stages rendezvous with their senders at once, so they are joined concurrently."""
         mine = memberships[int(self.rank)]  # type: ignore[attr-defined]
-
-        def join(member: tuple[str, int, int, int]) -> WeightGroup:
-            host, port, rank, world_size = member
-            return WeightGroup(host, port, rank, world_size, generation, timeout_s, device)
-
-        with ThreadPoolExecutor(len(mine)) as pool:
-            self._streamrl_groups = list(pool.map(join, mine))
+        self._streamrl_groups = join_groups(mine, generation, timeout_s, device)
         return [rank for _, _, rank, _ in mine]
 
     def streamrl_receive_version(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ __all__, __getattr__ = exports(
         "WeightGroup": "transport",
         "PublishStats": "transport",
         "receive_stages": "transport",
+        "join_groups": "transport",
         "StagePublisher": "publisher",
         "Publisher": "publisher",
         "CopyPlan": "copy_plan",

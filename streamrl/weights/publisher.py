@@ -120,7 +120,11 @@ class Publisher:
         """New weight groups (`plan_groups`) between the learner's senders and every live engine (collective set-up)."""
         fleet = self.fleet
         self.generation += 1
-        slots = fleet.get([e.slot.remote() for e in fleet.engines], 60, "engine slots")
+        # Only a colocated plan depends on the engines' slots (the GPUs they share): ask for them only then.
+        if self.colocated:
+            slots = fleet.get([e.slot.remote() for e in fleet.engines], 60, "engine slots")
+        else:
+            slots = list(range(len(fleet.engines)))
         plan = plan_groups(self.stages, self.stage_size, slots, self.workers, self.colocated)
         senders = [fleet.learners[group.sender] for group in plan.groups]
         addresses = fleet.get([s.weight_group_address.remote() for s in senders], 60, "weight group address")

@@ -315,6 +315,20 @@ def _consume(
     return None
 
 
+def join_groups(
+    memberships: Sequence[tuple[str, int, int, int]], generation: int, timeout_s: float, device: str
+) -> list[WeightGroup]:
+    """A receiver's weight groups, one per learner stage, from its (host, port, rank, world size) in each: joined
+    concurrently, since the stages' stores rendezvous with their senders at once."""
+
+    def join(member: tuple[str, int, int, int]) -> WeightGroup:
+        host, port, rank, world_size = member
+        return WeightGroup(host, port, rank, world_size, generation, timeout_s, device)
+
+    with ThreadPoolExecutor(len(memberships)) as pool:
+        return list(pool.map(join, memberships))
+
+
 def receive_stages(groups: Sequence[WeightGroup]) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     """Receive one whole version from every stage's group at once; all stages must send the same version."""
     if len(groups) == 1:
