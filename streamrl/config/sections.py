@@ -105,8 +105,17 @@ class Config(_Section):
     def weights_device(self) -> str:
         """Where the weight groups move versions: the GPUs over NCCL, except between colocated learner ranks and
         engines, which share GPUs (NCCL refuses two members on one GPU): there over gloo through host memory, unless
-        `train.colocated_publish=gpu` (no group then holds two members on one GPU: `streamrl.weights.group_plan`)."""
-        return "cpu" if self.colocated and self.train.colocated_publish == "host" else self.run.device
+        `train.colocated_publish` resolves to 'gpu' (no group then holds two members on one GPU:
+        `streamrl.weights.group_plan`)."""
+        return "cpu" if self.colocated and self.colocated_publish == "host" else self.run.device
+
+    @property
+    def colocated_publish(self) -> str:
+        """`train.colocated_publish` resolved: 'auto' is 'gpu' where every pipeline stage has a second rank to send
+        from, else 'host'."""
+        if self.train.colocated_publish != "auto":
+            return self.train.colocated_publish
+        return "gpu" if self.learner.world_size // self.learner.pipeline_parallel > 1 else "host"
 
     def _check_gpus(self) -> None:
         gpus, cluster = self.cluster.gpus, self.cluster

@@ -121,10 +121,28 @@ def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture
     check_trainable(load_config(CONFIGS / "tiny.yaml", ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]))
     for preset, gpus in (("qwen3-30b-a3b", 8), ("moonlight-16b-a3b", 8), ("qwen3-235b-a22b", 32)):
         config = load_config(CONFIGS / f"{preset}.yaml", [f"cluster.gpus={gpus}"])
-        assert config.colocated and config.train.mode == "sync" and config.weights_device == "cpu"
+        # Their stages have several ranks, so versions go over NCCL from a rank on another GPU.
+        assert config.colocated and config.train.mode == "sync" and config.weights_device == "cuda"
         check_trainable(config)
     with pytest.raises(ConfigError, match=r"train\.mode: engines colocated on the learner's GPUs take turns"):
         load_config(CONFIGS / "moonlight-16b-a3b.yaml", ["cluster.gpus=8", "train.mode=async"])
+
+
+def test_colocated_versions_go_over_nccl_where_every_stage_has_a_second_rank() -> None:
+    """`train.colocated_publish: auto` (the default) sends colocated versions over NCCL when each pipeline stage has a
+    second rank to send from the engine worker's GPU, else through host memory; 'gpu' with stages of one rank is
+    refused naming the key; engines of their own GPUs always use NCCL."""
+    base = ["run.device=cuda", "cluster.gpus=2", "rollout.engines=2", "train.mode=sync"]
+    two_ranks = load_config(CONFIGS / "tiny.yaml", [*base, "learner.data_parallel=2"])
+    assert two_ranks.colocated and two_ranks.colocated_publish == "gpu" and two_ranks.weights_device == "cuda"
+    host = load_config(CONFIGS / "tiny.yaml", [*base, "learner.data_parallel=2", "train.colocated_publish=host"])
+    assert host.colocated_publish == "host" and host.weights_device == "cpu"
+    one_rank = load_config(CONFIGS / "tiny.yaml", [*base, "learner.pipeline_parallel=2"])
+    assert one_rank.colocated_publish == "host" and one_rank.weights_device == "cpu"
+    with pytest.raises(ConfigError, match=r"train\.colocated_publish: 'gpu' .* stages have one rank"):
+        load_config(CONFIGS / "tiny.yaml", [*base, "learner.pipeline_parallel=2", "train.colocated_publish=gpu"])
+    split = load_config(CONFIGS / "tiny.yaml", ["run.device=cuda", "cluster.gpus=2", "train.colocated_publish=host"])
+    assert not split.colocated and split.weights_device == "cuda"
 
 
 def test_an_engine_wider_than_a_node_needs_the_ray_executor(tmp_path: Path) -> None:

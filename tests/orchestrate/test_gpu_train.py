@@ -8,8 +8,9 @@ an engine of 2 GPUs (tensor parallel, and a MoE with its experts split over the 
 receive the versions and keep their own shards (also with vLLM's Ray executor, the workers Ray actors in the
 engine's own placement group, as an engine wider than a node runs); and into an engine that drives vLLM's core in a
 process of its own with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the
-learner and the engines (sync mode, vLLM sleeping while the learner trains), publishing through host memory or, with
-`train.colocated_publish=gpu`, over NCCL from a rank on the other GPU.
+learner and the engines (sync mode, vLLM sleeping while the learner trains), publishing over NCCL from a rank on the
+other GPU (the default where the learner's stages have two ranks) or, with `train.colocated_publish=host`, through
+host memory.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def test_train_on_gpus_finishes_and_learns(tmp_path: Path) -> None:
     [
         ["learner.data_parallel=2", "rollout.engines=2"],
         ["learner.tensor_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"],
-        ["learner.data_parallel=2", "rollout.engines=2", "train.colocated_publish=gpu"],
+        ["learner.data_parallel=2", "rollout.engines=2", "train.colocated_publish=host"],
     ],
-    ids=["dp2-two-engines", "tp2-one-engine-of-two-gpus", "dp2-two-engines-publish-over-nccl"],
+    ids=["dp2-two-engines", "tp2-one-engine-of-two-gpus", "dp2-two-engines-publish-through-host"],
 )
 def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[str]) -> None:
     """Every GPU holds a learner rank and (part of) an engine; the engines free their GPU memory while the learner
@@ -71,7 +72,7 @@ def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[
     config = tiny_config(
         tmp_path, *GPU, "train.mode=sync", "cluster.gpus=2", *layout, f"train.steps={steps}", "train.checkpoint_every=0"
     )
-    assert config.colocated and config.weights_device == ("cuda" if "gpu" in layout[-1] else "cpu")
+    assert config.colocated and config.weights_device == ("cpu" if "host" in layout[-1] else "cuda")
     result = train(config, show_progress=False)
     history = read_history(config.run.dir)
     assert len(history) == steps
