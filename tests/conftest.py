@@ -1,9 +1,12 @@
-"""Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; and, for a
-failed end-to-end test, the errors its actors wrote to the run's logs, at the end of the output (an actor that died
-says why only there)."""
+"""Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; one Ray
+cluster that the session's jobs join; and, for a failed end-to-end test, the errors its actors wrote to the run's logs,
+at the end of the output (an actor that died says why only there)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +44,54 @@ def vllm_engine(tiny_model_dir: Path) -> VLLMEngine:
     from streamrl.rollout.engine import VLLMEngine
 
     return VLLMEngine(tiny_model_dir)
+
+
+# Starts a local Ray instance, prints its address, and stops it (only it) once stdin closes: at the fixture's end, or
+# when the test session dies. Token authentication off, as a job joining it would otherwise need the token.
+_RAY_HOST = """
+import sys, ray
+ray.init(address="local", include_dashboard=False, object_store_memory=int(sys.argv[1]), configure_logging=False,
+         log_to_driver=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str | None]:
+    """A local Ray instance for the session, which every job of the tests joins through $RAY_ADDRESS, as a job joins a
+    running cluster (`ray.address`): an instance started and stopped by each of the suite's ~40 jobs cost about 5 s
+    each. A job's actors go with its driver's disconnection. On a machine with GPUs (the `gpu` tests) each job starts
+    its own, as before. Yields the address (None: none started here)."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("RAY_ADDRESS"):
+        yield os.environ.get("RAY_ADDRESS")
+        return
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    host = subprocess.Popen(
+        [sys.executable, "-c", _RAY_HOST, str(512 << 20)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    address = host.stdout.readline().strip()
+    if not address:
+        host.kill()
+        raise RuntimeError("the session's Ray instance did not start")
+    os.environ["RAY_ADDRESS"] = address
+    try:
+        yield address
+    finally:
+        del os.environ["RAY_ADDRESS"]
+        host.stdin.close()
+        try:
+            host.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            host.kill()
 
 
 @pytest.fixture(scope="session")

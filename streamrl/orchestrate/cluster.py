@@ -104,7 +104,9 @@ class Cluster:
             if address:
                 ray.init(address=address, **common)
             else:
-                ray.init(include_dashboard=False, object_store_memory=self.config.ray.object_store_bytes, **common)
+                # "local": a new instance even where a `ray start` cluster runs (ray.init() alone would join it).
+                store = self.config.ray.object_store_bytes
+                ray.init(address="local", include_dashboard=False, object_store_memory=store, **common)
         self._started_ray = True
 
     def _start_redis(self) -> None:
