@@ -19,8 +19,9 @@ Contract (rank 0 of the learner, `StepSource`):
   hold, one JSON line `{"step", "groups", "replayed"}` per step: `truncate(after)` drops the steps a resumed learner
   no longer holds (they are re-trained and written again).
 - `record_drops(reason, dropped, learner_version)` appends the ids of groups refused at admission (too stale, or
-  constant rewards) to `dropped_groups.jsonl` next to the ledger, fsynced before the caller acks them: every group an
-  engine produced is then trained (ledger), still queued, or dropped by a rule with its id on record.
+  constant rewards), with the version each started under and its engine (why it was too stale), to
+  `dropped_groups.jsonl` next to the ledger, fsynced before the caller acks them: every group an engine produced is
+  then trained (ledger), still queued, or dropped by a rule with its id on record.
 """
 
 from __future__ import annotations
@@ -104,8 +105,14 @@ class StepJournal:
     def record_drops(self, reason: str, dropped: list[ConsumedGroup], learner_version: int) -> None:
         if not dropped:
             return
-        ids = [c.group.group_id for c in dropped]
-        line = json.dumps({"reason": reason, "groups": ids, "learner_version": learner_version})
+        record = {
+            "reason": reason,
+            "groups": [c.group.group_id for c in dropped],
+            "learner_version": learner_version,
+            "min_versions": [int(c.group.min_version) for c in dropped],
+            "engines": [c.group.engine_id for c in dropped],
+        }
+        line = json.dumps(record)
         with open(self.drops, "a") as handle:
             handle.write(line + "\n")
             handle.flush()

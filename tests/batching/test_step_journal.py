@@ -63,3 +63,17 @@ def test_the_ledger_keeps_the_steps_the_weights_hold(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in journal.ledger.read_text().splitlines()]
     assert [(r["step"], r["replayed"]) for r in rows] == [(1, False), (2, False), (3, True)]
     assert rows[2]["groups"] == [c.group.group_id for c in _step(30)]
+
+
+def test_a_drop_is_recorded_with_each_groups_start_version_and_engine(tmp_path: Path) -> None:
+    journal = StepJournal(tmp_path / "journal", LIMIT)
+    dropped = _step(0)
+    journal.record_drops("stale", dropped, learner_version=7)
+    (record,) = [json.loads(line) for line in (tmp_path / "dropped_groups.jsonl").read_text().splitlines()]
+    assert record == {
+        "reason": "stale",
+        "groups": [c.group.group_id for c in dropped],
+        "learner_version": 7,
+        "min_versions": [int(c.group.min_version) for c in dropped],
+        "engines": [c.group.engine_id for c in dropped],
+    }
