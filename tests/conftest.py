@@ -58,12 +58,14 @@ ray.shutdown()
 """
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def ray_cluster() -> Iterator[str | None]:
     """A local Ray instance for the session, which every job of the tests joins through $RAY_ADDRESS, as a job joins a
     running cluster (`ray.address`): an instance started and stopped by each of the suite's ~40 jobs cost about 5 s
-    each. A job's actors go with its driver's disconnection. On a machine with GPUs (the `gpu` tests) each job starts
-    its own, as before. Yields the address (None: none started here)."""
+    each. A job's actors go with its driver's disconnection. For every test of the session, not only the jobs': a
+    process that started a local instance and shut it down could not join another one afterwards (its next job's
+    learner actor was cancelled before it ran). On a machine with GPUs (the `gpu` tests) each job starts its own, as
+    before. Yields the address (None: none started here)."""
     import torch
 
     if torch.cuda.is_available() or os.environ.get("RAY_ADDRESS"):
