@@ -93,8 +93,7 @@ def main() -> None:
         )
         print(f"{name:>12}: mean {statistics.fmean(r['late_reward_mean'] for r in rows):.3f} | {cells}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    variant_overrides = {name: overrides for name, overrides in variants}
-    summary = {"steps": args.steps, "task": TASK, "overrides": args.overrides, "variants": variant_overrides}
+    summary = {"steps": args.steps, "task": TASK, "overrides": args.overrides, "variants": dict(variants)}
     args.out.write_text(json.dumps({**summary, "runs": results}, indent=2))
     print(f"wrote {args.out}")
 
