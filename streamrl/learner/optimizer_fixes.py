@@ -17,11 +17,6 @@ are bf16 and its optimizer is TE's FusedAdam. `apply_optimizer_fixes()` installs
   (offloaded) or the parameter itself. It then sends a sub-optimizer's restored state to the host when the
   sub-optimizer is an instance of the host optimizer's class, which without TE is also the GPU one's (torch's
   AdamW): the state goes to the device of the sub-optimizer's own parameters instead.
-- `HybridDeviceOptimizer` copies each updated host master (float32, in pageable memory) into its bf16 GPU parameter
-  with one `copy_`, which converts on the host into a temporary pageable tensor that the driver then stages through
-  a buffer of its own (on Qwen3-30B-A3B at EP 4: 2.4 s of a 23 s step in "Memcpy HtoD (Pageable -> Device)"). The
-  host masters are pinned instead (the same bytes, page-locked), and each goes to the GPU as an asynchronous DMA of
-  its float32 values, converted on the GPU through a float32 staging buffer of at most `STAGING_ELEMENTS`.
 - Loading an offloaded optimizer's checkpoint: its param groups name the Adam classes, which the checkpoint's
   weights-only load refuses; `streamrl.learner.checkpoint` allows exactly those classes.
 - The distributed optimizer records each parameter's place in its optimizer group in the grad buffers'
@@ -34,7 +29,7 @@ are bf16 and its optimizer is TE's FusedAdam. `apply_optimizer_fixes()` installs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,8 +37,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDevice
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 
 _applied = False
-_megatron_copy_back = HybridDeviceOptimizer._register_param_copy_back_gpu_hook
-STAGING_ELEMENTS = 64 * 2**20  # float32 values a host-to-GPU conversion stages at a time (256 MiB)
 
 
 def _set_main_param_and_optimizer_states(
@@ -99,46 +92,6 @@ def _move_states_to_their_params(self: Any) -> None:
                     self.state[orig_param][key] = state[key] = value.to(param.device)
 
 
-def _register_pinned_copy_back(self: Any) -> None:
-    """`HybridDeviceOptimizer._register_param_copy_back_gpu_hook` from pinned host masters (see the module docstring).
-
-    Each host sub-optimizer's post-step hook copies its updated parameters to the GPU on the optimizer's
-    host-to-device stream, which the current stream then waits for. The host does not touch a master again before
-    the next step's gradients have reached it, which the current stream, and so these copies, precede."""
-    host_optimizers, self.cpu_optimizers = self.cpu_optimizers, []
-    _megatron_copy_back(self)  # Megatron's own hook for the GPU share (16-bit parameters from their float32 masters)
-    self.cpu_optimizers = host_optimizers
-    for param in _host_params(host_optimizers):
-        if not param.is_pinned():
-            param.data = param.data.pin_memory()
-    staging: list[torch.Tensor] = []  # the float32 staging buffer, made on the first copy
-
-    def copy_back(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._h2d_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._h2d_stream):
-            for param in _host_params([optimizer]):
-                target = self.cpu_copys_map_gpu_param[param].data
-                if target.dtype == param.dtype:
-                    target.copy_(param.data, non_blocking=True)
-                    continue
-                if not staging:
-                    staging.append(torch.empty(STAGING_ELEMENTS, dtype=param.dtype, device=target.device))
-                source, target = param.data.view(-1), target.view(-1)
-                for start in range(0, source.numel(), STAGING_ELEMENTS):  # stream order protects the buffer's reuse
-                    chunk = source[start : start + STAGING_ELEMENTS]
-                    buffer = staging[0][: chunk.numel()]
-                    buffer.copy_(chunk, non_blocking=True)
-                    target[start : start + chunk.numel()].copy_(buffer)
-        self._h2d_stream.record_event().wait(torch.cuda.current_stream())
-
-    for optimizer in host_optimizers:
-        optimizer.register_step_post_hook(copy_back)
-
-
-def _host_params(optimizers: list[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    return (param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"])
-
-
 def _leaf_fp32_shards(build: Callable[..., tuple]) -> classmethod:
     """`DistributedOptimizer._build_model_and_main_param_groups` with float32 shards detached (see docstring)."""
 
@@ -184,7 +137,6 @@ def apply_optimizer_fixes() -> None:
         DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     HybridDeviceOptimizer._update_fp32_params_by_new_state = _update_masters_by_new_state
     HybridDeviceOptimizer._move_new_state_to_right_device = _move_states_to_their_params
-    HybridDeviceOptimizer._register_param_copy_back_gpu_hook = _register_pinned_copy_back
     build = DistributedOptimizer._build_model_and_main_param_groups  # bound to the class
     DistributedOptimizer._build_model_and_main_param_groups = _leaf_fp32_shards(build)
     ranges = DistributedOptimizer._build_optimizer_group_ranges

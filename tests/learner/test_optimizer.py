@@ -10,8 +10,7 @@
 - Selective and full recomputation leave the loss and every gradient unchanged (within 1e-6).
 - On a GPU (marked `gpu`): `cpu_offload` with half the optimizer state on the host (Megatron's
   `HybridDeviceOptimizer`) takes the same step as the all-GPU optimizer (it needs `cpu_compat`'s detached
-  float32 shards: megatron-core 0.16.1 hands that optimizer non-leaf views), its host masters pinned and copied
-  back to the GPU in staging chunks.
+  float32 shards: megatron-core 0.16.1 hands that optimizer non-leaf views).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from streamrl.config import OptimizerConfig
-from streamrl.learner import optimizer_fixes
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import microbatch_logprobs
@@ -114,10 +112,8 @@ def _bf16_step(model_dir: Path, settings: OptimizerConfig) -> tuple[float, dict[
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("overlap", [False, True], ids=["copies-then-update", "overlapped-copies"])
 def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(
-    tp1_world: None, tiny_model_dir: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
+    tp1_world: None, tiny_model_dir: Path, overlap: bool
 ) -> None:
-    # Staging chunks smaller than most parameters, so the copies back to the GPU go through several of them.
-    monkeypatch.setattr(optimizer_fixes, "STAGING_ELEMENTS", 1000)
     offload = SETTINGS.model_copy(update={"cpu_offload": True, "offload_fraction": 0.5, "overlap_host_copies": overlap})
     norm, params, training = _bf16_step(tiny_model_dir, offload)
     expected_norm, expected, _ = _bf16_step(tiny_model_dir, SETTINGS)
@@ -132,8 +128,6 @@ def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(
     assert all(p is None for group in inner.shard_fp32_from_float16_groups for p in group)
     host = [p for cpu in hybrid.cpu_optimizers for group in cpu.param_groups for p in group["params"]]
     assert host and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in host)
-    # Pinned, so the updated masters go back to the GPU as asynchronous DMAs (streamrl.learner.optimizer_fixes).
-    assert all(p.is_pinned() for p in host)
     assert norm == pytest.approx(expected_norm, rel=1e-5)
     before = _model(tiny_model_dir, params_dtype=torch.bfloat16).state_dict()
     for name, param in params.items():
