@@ -66,7 +66,13 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     def step_groups(step: int) -> tuple[list, list]:
         groups = make_groups(args, hf["vocab_size"], seed=step if args.vary else 0)
         budget = config.batching.max_tokens_per_microbatch
-        per_rank = plan_step(groups, ps.get_data_parallel_world_size(), budget, "token_mean")
+        per_rank = plan_step(
+            groups,
+            ps.get_data_parallel_world_size(),
+            budget,
+            "token_mean",
+            equal_tokens=config.learner.moe_dispatcher == "allgather",
+        )
         return groups, per_rank[ps.get_data_parallel_rank()]
 
     groups, microbatches = step_groups(0)

@@ -53,6 +53,10 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "learner": {"recompute": "selective", "recompute_num_layers": 2}})
     with pytest.raises(ConfigError, match=r"learner\.recompute: .*'none', 'selective' or 'full'"):
         build_config({**BASE, "learner": {"recompute": "some"}})
+    with pytest.raises(ConfigError, match=r"learner\.moe_dispatcher: 'allgather' needs learner\.context_parallel 1"):
+        build_config({**BASE, "learner": {"moe_dispatcher": "allgather", "context_parallel": 2}})
+    with pytest.raises(ConfigError, match=r"learner\.moe_dispatcher: .*'alltoall' or 'allgather'"):
+        build_config({**BASE, "learner": {"moe_dispatcher": "deepep"}})
     with pytest.raises(ConfigError, match=r"loss\.routing_replay: 'rollout' needs engines on run\.device=cuda"):
         build_config({**BASE, "loss": {"routing_replay": "rollout"}})
     with pytest.raises(ConfigError, match=r"train\.parity_every: engines serve lagged weights"):

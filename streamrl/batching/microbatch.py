@@ -7,6 +7,11 @@ to 1 over the whole step, so the step's gradient does not depend on the packing 
 (invariant 6). Ranks are balanced on the compute cost a*L + b*L^2 of their sequences
 (`streamrl.batching.partition`, `streamrl.batching.cost`), then packed (`streamrl.batching.pack`). Planning is a
 deterministic function of the groups, so every rank computes the same plan and collates only its own part.
+
+`equal_tokens` (the learner's `moe_dispatcher: allgather`, which all-gathers every rank's tokens and so needs the same
+count on each): each rank's micro-batches are ordered longest first, and micro-batch k of every rank is padded to
+the longest micro-batch k of any rank by `pad_microbatch` (zero-weight filler sequences of at most `PAD_SEQUENCE`
+tokens, so their attention stays cheap).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from streamrl.batching.pack import Packing, pack_microbatches
 from streamrl.batching.partition import balanced_partition
 from streamrl.loss import grpo_advantages
 from streamrl.types import MicroBatch, TrajectoryGroup
+
+PAD_SEQUENCE = 512  # tokens of one padding sequence: attention over padding grows with the square of this
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,39 @@ def filler_microbatch() -> MicroBatch:
     """A single zero-weight token: evens out micro-batch counts (between ranks, or for a pipeline schedule)."""
     zero_i, zero_f, none = np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), np.full((1, 1), -1, np.int32)
     return MicroBatch(zero_i, zero_i, zero_i, zero_f, zero_f, zero_f, none, np.array([0, 1], np.int32))
+
+
+def pad_microbatch(mb: MicroBatch, tokens: int) -> MicroBatch:
+    """`mb` followed by zero-weight sequences of token 0 (at most `PAD_SEQUENCE` each) up to `tokens` columns.
+    Recorded routes of the padding name experts 0..k-1 (a valid, duplicate-free choice)."""
+    missing = tokens - mb.input_ids.shape[1]
+    if missing < 0:
+        raise ValueError(f"pad_microbatch: {mb.input_ids.shape[1]} tokens exceed the {tokens} to pad to")
+    if missing == 0:
+        return mb
+    lengths = np.full(-(-missing // PAD_SEQUENCE), PAD_SEQUENCE)
+    lengths[-1] = missing - PAD_SEQUENCE * (len(lengths) - 1)
+    positions = np.arange(missing) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    pad = (
+        lambda field, value: np.concatenate(  # noqa: E731
+            [field, np.full((1, missing, *field.shape[2:]), value, field.dtype)], axis=1
+        )
+    )
+    routes = mb.routed_experts
+    if routes is not None:
+        choice = np.broadcast_to(np.arange(routes.shape[-1], dtype=routes.dtype), (1, missing, *routes.shape[2:]))
+        routes = np.concatenate([routes, choice], axis=1)
+    return MicroBatch(
+        input_ids=pad(mb.input_ids, 0),
+        labels=pad(mb.labels, 0),
+        position_ids=np.concatenate([mb.position_ids, positions[None]], axis=1),
+        loss_weight=pad(mb.loss_weight, 0.0),
+        advantages=pad(mb.advantages, 0.0),
+        behaviour_logprobs=pad(mb.behaviour_logprobs, 0.0),
+        behaviour_versions=pad(mb.behaviour_versions, -1),
+        cu_seqlens=np.concatenate([mb.cu_seqlens, mb.cu_seqlens[-1] + np.cumsum(lengths)]).astype(np.int32),
+        routed_experts=routes,
+    )
 
 
 def _collate(seqs: list[_Sequence]) -> MicroBatch:
@@ -108,6 +148,19 @@ def _plan(
     return seqs, pack_microbatches(lengths, rank_of, dp_size, max_tokens_per_microbatch)
 
 
+def _rank_microbatches(
+    seqs: list[_Sequence], packing: Packing, dp_size: int, dp_rank: int, equal_tokens: bool
+) -> list[MicroBatch]:
+    runs = packing.rank_microbatches(dp_rank)
+    if not equal_tokens:
+        return [_collate([seqs[i] for i in run]) for run in runs]
+    tokens = lambda run: max(1, sum(len(seqs[i].tokens) - 1 for i in run))  # noqa: E731  a filler is 1 token
+    sizes = [sorted(map(tokens, packing.rank_microbatches(r)), reverse=True) for r in range(dp_size)]
+    longest = np.max(np.array(sizes), axis=0)
+    mbs = sorted((_collate([seqs[i] for i in run]) for run in runs), key=lambda mb: -mb.input_ids.shape[1])
+    return [pad_microbatch(mb, int(n)) for mb, n in zip(mbs, longest, strict=True)]
+
+
 def plan_rank(
     groups: list[TrajectoryGroup],
     dp_size: int,
@@ -116,10 +169,11 @@ def plan_rank(
     normalization: str,
     cost: CostModel = TOKEN_COUNT,
     advantage_std: str = "population",
+    equal_tokens: bool = False,
 ) -> list[MicroBatch]:
     """The micro-batches of data-parallel rank `dp_rank` (what a learner rank runs); advantages use `loss.std`."""
     seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std)
-    return [_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(dp_rank)]
+    return _rank_microbatches(seqs, packing, dp_size, dp_rank, equal_tokens)
 
 
 def plan_step(
@@ -129,7 +183,8 @@ def plan_step(
     normalization: str,
     cost: CostModel = TOKEN_COUNT,
     advantage_std: str = "population",
+    equal_tokens: bool = False,
 ) -> list[list[MicroBatch]]:
     """Micro-batches for each data-parallel rank (index = DP rank)."""
     seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std)
-    return [[_collate([seqs[i] for i in mb]) for mb in packing.rank_microbatches(r)] for r in range(dp_size)]
+    return [_rank_microbatches(seqs, packing, dp_size, r, equal_tokens) for r in range(dp_size)]

@@ -165,6 +165,7 @@ class StepSource:
             self.config.loss.normalization,
             self.cost,
             self.config.loss.std,
+            equal_tokens=self.config.learner.moe_dispatcher == "allgather",
         )
         return Step(groups, microbatches, admitted, wait_s, replayed, wire)
 

@@ -141,6 +141,14 @@ class LearnerConfig(_Section):
         "ranks (an expert is never split by TP); they come out of a pipeline stage's TP x CP x DP ranks, so it "
         "must divide TP x CP x DP.",
     )
+    moe_dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall",
+        description="How MoE layers move tokens to their experts' ranks (Megatron's token dispatchers): alltoall sends "
+        "each token to the rank of each expert it chose (top-k copies); allgather gathers every rank's tokens on all "
+        "ranks of the expert-parallel group and reduce-scatters the outputs (one copy a rank, fewer bytes when "
+        "top-k exceeds the group's size), which needs the same token count on each: every rank's micro-batch k is "
+        "padded to the longest micro-batch k (streamrl.batching.microbatch).",
+    )
     params_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Dtype of the model's weights, activations and gradients; bfloat16 keeps float32 "
@@ -198,6 +206,9 @@ class LearnerConfig(_Section):
                 raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
         if self.recompute != "full" and self.recompute_num_layers != 1:
             raise ValueError("learner.recompute_num_layers: only used with learner.recompute 'full'")
+        if self.moe_dispatcher == "allgather" and self.context_parallel > 1:
+            # Context parallelism pads each sequence to its own multiple, so equal rows do not stay equal.
+            raise ValueError("learner.moe_dispatcher: 'allgather' needs learner.context_parallel 1")
         return self
 
 

@@ -2,9 +2,10 @@
 
 `StepTimer.phase(name)` times a block (synchronising the GPU at its edges, so asynchronous kernels are
 charged to the phase that launched them). `training_flops` counts model FLOPs of the micro-batches a rank
-ran: 3x the forward FLOPs of `streamrl.batching.cost.flops_cost_model` per packed sequence (its docstring
-writes the formulas for dense, MoE and multi-latent attention models; backward costs twice the forward; no
-recomputation counted). MFU = model FLOP/s per rank / `learner.peak_tflops`.
+ran: 3x the forward FLOPs of `streamrl.batching.cost.flops_cost_model` per packed sequence that carries loss weight
+(its docstring writes the formulas for dense, MoE and multi-latent attention models; backward costs twice the forward;
+no recomputation counted; padding and filler sequences, all zero weight, are not model work).
+MFU = model FLOP/s per rank / `learner.peak_tflops`.
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ class StepTimer:
 
 
 def training_flops(forward_flops: CostModel, microbatches: list[MicroBatch]) -> float:
-    """Model FLOPs of forward + backward over every packed sequence of these micro-batches."""
-    return 3.0 * sum(float(forward_flops(np.diff(mb.cu_seqlens)).sum()) for mb in microbatches)
+    """Model FLOPs of forward + backward over the packed sequences of these micro-batches that carry loss weight."""
+    total = 0.0
+    for mb in microbatches:
+        weighted = np.add.reduceat(mb.loss_weight[0], mb.cu_seqlens[:-1]) > 0
+        total += float(forward_flops(np.diff(mb.cu_seqlens)[weighted]).sum())
+    return 3.0 * total
 
 
 def peak_memory_gib(device: torch.device) -> float:

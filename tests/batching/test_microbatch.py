@@ -1,4 +1,5 @@
-"""Step planning end to end: every response once, packed rows within budget, equal counts, weights sum to one."""
+"""Step planning end to end: every response once, packed rows within budget, equal counts, weights sum to one; with
+`equal_tokens`, micro-batch k of every rank as long as the longest (zero-weight padding)."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -23,13 +24,17 @@ def _segments(mb):
     st.integers(4, 200),
     st.sampled_from(["token_mean", "sequence_mean"]),
     st.sampled_from([CostModel(), CostModel(1.0, 0.05)]),
+    st.booleans(),
 )
-def test_plan_covers_every_response_once_within_budget(lengths, dp, budget, normalization, cost) -> None:
+def test_plan_covers_every_response_once_within_budget(lengths, dp, budget, normalization, cost, equal) -> None:
     groups = [make_group(ls, seed=i) for i, ls in enumerate(lengths)]
     if sum(len(ls) for ls in lengths) < dp:
         return
-    plan = plan_step(groups, dp, budget, normalization, cost)
+    plan = plan_step(groups, dp, budget, normalization, cost, equal_tokens=equal)
     assert len(plan) == dp and len({len(rank) for rank in plan}) == 1  # equal micro-batch counts
+    if equal:  # micro-batch k of every rank has the same width
+        assert all(len({rank[k].input_ids.shape[1] for rank in plan}) == 1 for k in range(len(plan[0])))
+    longest = max(len(g.prompt_ids) + len(t.response_ids) - 1 for g in groups for t in g.trajectories)
     seen, total_weight = [], 0.0
     for rank in plan:
         assert any(mb.loss_weight.any() for mb in rank)  # every rank trains on something
@@ -37,14 +42,17 @@ def test_plan_covers_every_response_once_within_budget(lengths, dp, budget, norm
             n, width = len(mb.cu_seqlens) - 1, mb.input_ids.shape[1]
             assert mb.input_ids.shape == mb.labels.shape == mb.position_ids.shape == mb.loss_weight.shape == (1, width)
             assert mb.cu_seqlens[0] == 0 and mb.cu_seqlens[-1] == width and np.all(np.diff(mb.cu_seqlens) > 0)
-            assert width <= budget or n == 1  # over budget only when a lone sequence is
+            # Over budget only when a lone sequence is (padded: as long as another rank's lone sequence).
+            assert width <= budget or n == 1 or (equal and width <= longest)
             starts = np.repeat(mb.cu_seqlens[:-1], np.diff(mb.cu_seqlens))
             assert np.array_equal(mb.position_ids[0], np.arange(width) - starts)  # positions restart per sequence
             total_weight += float(mb.loss_weight.sum())
-            if not mb.loss_weight.any():  # a filler: one zero-weight token
+            if not mb.loss_weight.any() and not equal:  # a filler: one zero-weight token
                 assert width == 1
-                continue
-            seen += [(tuple(tokens), int((weights > 0).sum())) for tokens, weights in _segments(mb)]
+            # Padding and fillers are whole zero-weight sequences after the real ones.
+            weighted = [(tuple(tokens), int((weights > 0).sum())) for tokens, weights in _segments(mb) if weights.any()]
+            seen += weighted
+            assert all(not w.any() for _, w in list(_segments(mb))[len(weighted) :])
     expected = [
         (tuple(np.concatenate([g.prompt_ids, t.response_ids])), len(t.response_ids))
         for g in groups
@@ -91,3 +99,20 @@ def test_routes_line_up_with_every_input_position_and_are_all_or_nothing() -> No
         assert np.array_equal(mb.routed_experts[0, start:end], response.routes)
     ((mixed,),) = plan_step([group, make_group([3, 5])], 1, 1000, "token_mean")
     assert mixed.routed_experts is None
+
+
+def test_padding_keeps_routes_valid_and_attention_short() -> None:
+    """Padded columns name k distinct experts each (replay stays a valid choice) and come as sequences of at most
+    PAD_SEQUENCE tokens."""
+    from streamrl.batching.microbatch import PAD_SEQUENCE, pad_microbatch
+    from tests.queue.test_codec import _routed
+
+    group, _ = _routed(5, [4, 2, 6], np.uint8)
+    ((mb,),) = plan_step([group], 1, 1000, "token_mean")
+    width = mb.input_ids.shape[1]
+    padded = pad_microbatch(mb, width + PAD_SEQUENCE + 3)
+    assert np.diff(padded.cu_seqlens)[-2:].tolist() == [PAD_SEQUENCE, 3]
+    assert np.array_equal(padded.routed_experts[0, :width], mb.routed_experts[0])
+    assert (padded.routed_experts[0, width:] == np.arange(2)).all()
+    assert not padded.loss_weight[0, width:].any() and (padded.behaviour_versions[0, width:] == -1).all()
+    assert padded.position_ids[0, -3:].tolist() == [0, 1, 2]

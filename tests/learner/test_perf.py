@@ -7,22 +7,31 @@ import pytest
 import torch
 
 from streamrl.batching.cost import CostModel, flops_cost_model
+from streamrl.batching.microbatch import pad_microbatch
 from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
 from streamrl.types import MicroBatch
 
 
-def _packed(lengths: list[int]) -> MicroBatch:
+def _packed(lengths: list[int], weighted: bool = True) -> MicroBatch:
     total = sum(lengths)
     zeros = np.zeros((1, total), np.float32)
+    weight = np.full((1, total), 1.0 / total if weighted else 0.0, np.float32)
     ids = np.zeros((1, total), np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return MicroBatch(ids, ids, ids, zeros, zeros, zeros, zeros.astype(np.int32), cu)
+    return MicroBatch(ids, ids, ids, weight, zeros, zeros, zeros.astype(np.int32), cu)
 
 
 def test_training_flops_are_three_forwards_per_sequence() -> None:
     forward = CostModel(linear=10.0, quadratic=1.0)
     flops = training_flops(forward, [_packed([2, 3]), _packed([4])])
     assert flops == 3 * ((10 * 2 + 4) + (10 * 3 + 9) + (10 * 4 + 16))
+
+
+def test_padding_is_not_model_work() -> None:
+    """Zero-weight sequences (the planner's padding and fillers) cost no model FLOPs."""
+    forward = CostModel(linear=10.0, quadratic=1.0)
+    padded = pad_microbatch(_packed([2, 3]), 9)
+    assert training_flops(forward, [padded, _packed([4], weighted=False)]) == 3 * ((10 * 2 + 4) + (10 * 3 + 9))
 
 
 def test_moe_flops_count_only_the_active_experts() -> None:

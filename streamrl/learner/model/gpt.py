@@ -134,12 +134,14 @@ def transformer_config(
     recompute: str = "none",
     recompute_num_layers: int = 1,
     first_stage_layers: int | None = None,
+    moe_dispatcher: str = "alltoall",
 ) -> TransformerConfig:
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
     `params_dtype` is the dtype of the model's weights and activations (bfloat16: Megatron's optimizer keeps float32
     master weights, `streamrl.learner.optimizer`); `recompute` selects activation recomputation (none, selective:
-    core attention, full: blocks of `recompute_num_layers` layers).
+    core attention, full: blocks of `recompute_num_layers` layers); `moe_dispatcher` is Megatron's token dispatcher
+    of MoE layers (`learner.moe_dispatcher`).
     """
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()
@@ -147,7 +149,7 @@ def transformer_config(
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     cp_size = parallel_state.get_context_parallel_world_size()
     if num_experts(hf_config):
-        moe = moe_config_fields(hf_config, tp_size, ep_size)
+        moe = moe_config_fields(hf_config, tp_size, ep_size, moe_dispatcher)
     elif ep_size > 1:
         raise ValueError(f"expert_parallel: {ep_size} needs a mixture-of-experts model, got {architecture(hf_config)}")
     else:
@@ -269,12 +271,20 @@ def build_model_chunks(
     recompute: str = "none",
     recompute_num_layers: int = 1,
     first_stage_layers: int | None = None,
+    moe_dispatcher: str = "alltoall",
 ) -> list[GPTModel]:
     """This rank's model chunks, in virtual-stage order (one without virtual stages); see the module docstring."""
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     return [
         build_gpt_model(
-            hf_config, params_dtype, stage, last_stage_layers, recompute, recompute_num_layers, first_stage_layers
+            hf_config,
+            params_dtype,
+            stage,
+            last_stage_layers,
+            recompute,
+            recompute_num_layers,
+            first_stage_layers,
+            moe_dispatcher,
         )
         for stage in ([None] if virtual is None else range(virtual))
     ]
@@ -288,10 +298,11 @@ def build_gpt_model(
     recompute: str = "none",
     recompute_num_layers: int = 1,
     first_stage_layers: int | None = None,
+    moe_dispatcher: str = "alltoall",
 ) -> GPTModel:
     """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`; see the module docstring."""
     config = transformer_config(
-        hf_config, params_dtype, last_stage_layers, recompute, recompute_num_layers, first_stage_layers
+        hf_config, params_dtype, last_stage_layers, recompute, recompute_num_layers, first_stage_layers, moe_dispatcher
     )
     if config.multi_latent_attention:
         allow_mla_without_transformer_engine()

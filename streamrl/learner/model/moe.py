@@ -6,10 +6,10 @@ Contract:
   `num_local_experts` as transformers 5 writes it, or DeepSeek's `n_routed_experts`).
 - `moe_layers(hf_config)` says, per layer, whether it is a MoE layer (DeepSeek-V3's first `first_k_dense_replace`
   layers are dense SwiGLU MLPs of `intermediate_size`; Qwen3-MoE layers are all sparse).
-- `moe_config_fields(hf_config, tp_size, ep_size)` returns the `TransformerConfig` fields under which Megatron's
-  `MoELayer` computes what HF's MoE block computes, and raises `ValueError` naming the field for variants it would
-  get wrong. No load-balancing loss and no capacity limit (dropless), so a token's output depends on its own hidden
-  state only.
+- `moe_config_fields(hf_config, tp_size, ep_size, dispatcher)` returns the `TransformerConfig` fields under which
+  Megatron's `MoELayer` computes what HF's MoE block computes, and raises `ValueError` naming the field for variants
+  it would get wrong. No load-balancing loss and no capacity limit (dropless), so a token's output depends on its
+  own hidden state only.
   - Qwen3-MoE (`Qwen3MoeSparseMoeBlock`): HF takes softmax over all experts, the top k, and (`norm_topk_prob`)
     renormalises them to sum 1, which equals Megatron's softmax over the top-k *logits*
     (`moe_router_pre_softmax=False`); without renormalisation it is Megatron's pre-softmax top k.
@@ -32,9 +32,11 @@ Parallel layout (why):
   rows 0.. of its stacked expert weights (`streamrl.learner.model.experts`). Fine-grained experts are too small to
   shard further, and sharding them would need uneven all-gathers over the tensor-parallel group, which gloo does
   not implement.
-- The token dispatcher is "alltoall": it exchanges per-expert token counts first, so the ranks of an
+- The token dispatcher is "alltoall" by default: it exchanges per-expert token counts first, so the ranks of an
   expert-parallel group may hold different numbers of tokens (data-parallel ranks run different packed
-  micro-batches). The "allgather" dispatcher requires equal token counts on every rank of the group.
+  micro-batches). "allgather" (`learner.moe_dispatcher`) moves one copy of each token to every rank of the group
+  instead of one per chosen expert, and requires equal token counts on every rank of the group, which the planner
+  gives it by padding (`streamrl.batching.microbatch`).
 - Megatron refuses to train MoE at TP>1 without sequence parallelism; every model uses it whenever TP>1
   (`streamrl.learner.model.gpt`): the hidden state between layers is split along the sequence over the TP ranks
   (its length must be a multiple of TP; `streamrl.learner.model.logprobs` pads). Norm weights and the router then see
@@ -171,7 +173,9 @@ def _routing_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def moe_config_fields(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> dict[str, Any]:
+def moe_config_fields(
+    hf_config: dict[str, Any], tp_size: int, ep_size: int, dispatcher: str = "alltoall"
+) -> dict[str, Any]:
     """`TransformerConfig` fields of the MoE layers (see the module docstring)."""
     _check_supported(hf_config, ep_size)
     return dict(
@@ -183,7 +187,7 @@ def moe_config_fields(hf_config: dict[str, Any], tp_size: int, ep_size: int) -> 
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_expert_capacity_factor=None,
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=dispatcher,
         # Megatron's grouped-GEMM experts need Transformer Engine / grouped_gemm: ours come from the layer spec.
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep_size,

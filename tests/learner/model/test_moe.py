@@ -3,9 +3,10 @@ tensor parallelism.
 
 In process: the HF <-> Megatron round trip is bit-exact and expert-/tensor-parallel shards hold the right experts;
 at TP=1, EP=1 the per-token log-probs of a packed batch match HF's within 1e-4 and their gradients match HF's.
-Spawned gloo ranks: EP=2 and TP=2 (two ranks) and TP=2 x EP=2 (four) reproduce the single-process loss and
-gradients (gathered to HF names) within 1e-5 on a packed batch split over the data-parallel ranks, a sequence run
-unpacked gives its packed log-probs, and `stream_hf_weights` yields every HF tensor exactly once, bit-exact.
+Spawned gloo ranks: EP=2 and TP=2 (two ranks), TP=2 x EP=2 (four) and EP=2 with the allgather dispatcher
+on shares padded to equal length (`learner.moe_dispatcher`) reproduce the single-process loss and gradients
+(gathered to HF names) within 1e-5 on a packed batch split over the data-parallel ranks, a sequence run unpacked
+gives its packed log-probs, and `stream_hf_weights` yields every HF tensor exactly once, bit-exact.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from streamrl.batching.microbatch import pad_microbatch
 from streamrl.learner.hf.convert import (
     hf_to_megatron,
     load_hf_checkpoint,
@@ -31,6 +34,7 @@ from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import token_logprobs
 from streamrl.learner.model.moe import moe_config_fields
 from streamrl.learner.parallel import destroy_parallel, init_parallel
+from streamrl.types import MicroBatch
 from tests.learner.grads import complete, grads_by_hf_name, wrap
 from tests.learner.ranks import TIMEOUT_S, free_port, layout, record_errors, run_ranks
 
@@ -51,18 +55,36 @@ def _packed(seqs: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     return ids[None], positions[None], labels[None], cu_seqlens
 
 
-def _megatron_step(model: torch.nn.Module, hf_config: dict) -> tuple[torch.Tensor, list, dict, float, float]:
+def _padded(packed: tuple, tokens: int) -> tuple[torch.Tensor, ...]:
+    """A packed share padded to `tokens` columns as the planner pads micro-batches (`pad_microbatch`)."""
+    ids, positions, labels, cu_seqlens = (t.numpy() for t in packed)
+    zeros = np.zeros(ids.shape, np.float32)
+    padded = pad_microbatch(
+        MicroBatch(ids, labels, positions, zeros, zeros, zeros, zeros.astype(np.int32), cu_seqlens), tokens
+    )
+    return tuple(torch.from_numpy(t) for t in (padded.input_ids, padded.position_ids, padded.labels, padded.cu_seqlens))
+
+
+def _megatron_step(
+    model: torch.nn.Module, hf_config: dict, pad_to: int | None = None
+) -> tuple[torch.Tensor, list, dict, float, float]:
     """This DP rank's share of the batch: mean token log-prob over the WHOLE batch (summed over DP ranks), the
     streamed HF-named weights as a list (to count repeats), the HF-named full gradients of that loss, how far
-    the share's first sequence run unpacked is from its packed log-probs, and the learner's global grad norm."""
+    the share's first sequence run unpacked is from its packed log-probs, and the learner's global grad norm.
+    `pad_to`: the share padded to that many columns first (the padding is not in the loss)."""
     training = wrap([model])
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     share = len(LENGTHS) // dp_size
-    ids, positions, labels, cu_seqlens = _packed(range(dp_rank * share, (dp_rank + 1) * share))
-    logprobs = token_logprobs(model, ids, positions, labels, cu_seqlens)
+    packed = _packed(range(dp_rank * share, (dp_rank + 1) * share))
+    real = int(packed[3][-1])
+    ids, positions, labels, cu_seqlens = packed if pad_to is None else _padded(packed, pad_to)
+    logprobs = token_logprobs(model, ids, positions, labels, cu_seqlens)[:, :real]
     first = int(cu_seqlens[1])  # odd lengths: sequence parallelism pads the unpacked row too
+    single = (ids[:, :first], positions[:, :first], labels[:, :first])
+    if pad_to is not None:  # every rank's row must be as long for the allgather dispatcher
+        single = _padded((*single, torch.tensor([0, first], dtype=torch.int32)), pad_to)
     with torch.no_grad():
-        alone = token_logprobs(model, ids[:, :first], positions[:, :first], labels[:, :first])
+        alone = token_logprobs(model, *single)[:, :first]
     unpacked_gap = (alone - logprobs[:, :first]).abs().max().item()
     loss = logprobs.sum() / sum(LENGTHS)  # normalised over the global batch, as the learner does
     loss.backward()
@@ -221,6 +243,26 @@ def _check_layouts(out_dir: Path, world: int, layouts: list, reference: tuple, h
             assert grads.keys() == ref_grads.keys()
             for name, grad in grads.items():
                 assert (grad - ref_grads[name]).abs().max().item() < 1e-5, (tp, ep, rank, name)
+
+
+def _allgather_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
+    """EP=2 with Megatron's allgather dispatcher, each rank's share padded to the longer one (15 tokens)."""
+    with record_errors(out_dir, rank):
+        torch.set_num_threads(1)
+        init_parallel(layout(2, 1, expert_parallel=2), rank, "127.0.0.1", port, seed=0)
+        hf_config, hf_state = load_hf_checkpoint(model_dir)
+        model = build_gpt_model(hf_config, moe_dispatcher="allgather")
+        load_hf_weights(model, hf_state, hf_config)
+        longest_share = max(LENGTHS[0] + LENGTHS[1], LENGTHS[2] + LENGTHS[3])
+        torch.save(_megatron_step(model, hf_config, longest_share), out_dir / f"tp1-ep2-{rank}.pt")
+        destroy_parallel()
+
+
+def test_ep2_allgather_dispatcher_on_padded_shares_matches_single_process(
+    moe_dir: Path, reference: tuple, tmp_path: Path
+) -> None:
+    run_ranks(_allgather_rank, 2, (moe_dir,), tmp_path, 3 * TIMEOUT_S)
+    _check_layouts(tmp_path, 2, [(1, 2)], reference, load_hf_checkpoint(moe_dir)[1])
 
 
 def test_ep2_and_tp2_match_single_process(moe_dir: Path, reference: tuple, tmp_path: Path) -> None:
