@@ -139,26 +139,33 @@ def _plan(
     normalization: str,
     cost: CostModel,
     advantage_std: str,
-) -> tuple[list[_Sequence], Packing]:
+    equal_tokens: bool,
+) -> tuple[list[_Sequence], Packing, np.ndarray | None]:
+    """The sequences, their packing and, with `equal_tokens`, the width of micro-batch k on every rank."""
     seqs = _sequences(groups, normalization, advantage_std)
     if len(seqs) < dp_size:
         raise ValueError(f"batching: {len(seqs)} sequences cannot feed {dp_size} data-parallel ranks")
     lengths = np.array([len(s.tokens) - 1 for s in seqs], dtype=np.int64)
     rank_of = balanced_partition(lengths, dp_size, cost)
-    return seqs, pack_microbatches(lengths, rank_of, dp_size, max_tokens_per_microbatch)
+    packing = pack_microbatches(lengths, rank_of, dp_size, max_tokens_per_microbatch)
+    if not equal_tokens:
+        return seqs, packing, None
+    # Each rank's micro-batches longest first (a filler collates to one token); the widest k-th of any rank.
+    widths = [
+        sorted((max(1, int(lengths[run].sum())) for run in packing.rank_microbatches(r)), reverse=True)
+        for r in range(dp_size)
+    ]
+    return seqs, packing, np.max(np.array(widths), axis=0)
 
 
 def _rank_microbatches(
-    seqs: list[_Sequence], packing: Packing, dp_size: int, dp_rank: int, equal_tokens: bool
+    seqs: list[_Sequence], packing: Packing, dp_rank: int, widths: np.ndarray | None
 ) -> list[MicroBatch]:
-    runs = packing.rank_microbatches(dp_rank)
-    if not equal_tokens:
-        return [_collate([seqs[i] for i in run]) for run in runs]
-    tokens = lambda run: max(1, sum(len(seqs[i].tokens) - 1 for i in run))  # noqa: E731  a filler is 1 token
-    sizes = [sorted(map(tokens, packing.rank_microbatches(r)), reverse=True) for r in range(dp_size)]
-    longest = np.max(np.array(sizes), axis=0)
-    mbs = sorted((_collate([seqs[i] for i in run]) for run in runs), key=lambda mb: -mb.input_ids.shape[1])
-    return [pad_microbatch(mb, int(n)) for mb, n in zip(mbs, longest, strict=True)]
+    mbs = [_collate([seqs[i] for i in run]) for run in packing.rank_microbatches(dp_rank)]
+    if widths is None:
+        return mbs
+    mbs.sort(key=lambda mb: -mb.input_ids.shape[1])
+    return [pad_microbatch(mb, int(width)) for mb, width in zip(mbs, widths, strict=True)]
 
 
 def plan_rank(
@@ -172,8 +179,9 @@ def plan_rank(
     equal_tokens: bool = False,
 ) -> list[MicroBatch]:
     """The micro-batches of data-parallel rank `dp_rank` (what a learner rank runs); advantages use `loss.std`."""
-    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std)
-    return _rank_microbatches(seqs, packing, dp_size, dp_rank, equal_tokens)
+    plan = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std, equal_tokens)
+    seqs, packing, widths = plan
+    return _rank_microbatches(seqs, packing, dp_rank, widths)
 
 
 def plan_step(
@@ -186,5 +194,6 @@ def plan_step(
     equal_tokens: bool = False,
 ) -> list[list[MicroBatch]]:
     """Micro-batches for each data-parallel rank (index = DP rank)."""
-    seqs, packing = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std)
-    return [_rank_microbatches(seqs, packing, dp_size, r, equal_tokens) for r in range(dp_size)]
+    plan = _plan(groups, dp_size, max_tokens_per_microbatch, normalization, cost, advantage_std, equal_tokens)
+    seqs, packing, widths = plan
+    return [_rank_microbatches(seqs, packing, r, widths) for r in range(dp_size)]
