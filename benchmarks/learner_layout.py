@@ -3,17 +3,18 @@
 Run on a GPU machine with as many GPUs as the layout's learner (megatron-core importable):
     PYTHONPATH=. python benchmarks/learner_layout.py -c configs/qwen3-30b-a3b.yaml cluster.gpus=4
 
-It starts one process per learner rank, builds the production trainer (`streamrl.learner.trainer.Trainer`: the
-model in the preset's real shape with random weights, Megatron's DDP and distributed optimizer with the preset's
-offload, recomputation and layout), plans RL-like trajectory groups (`benchmarks/learner_mfu.py`'s lognormal
-response lengths) with the production planner into packed micro-batches per data-parallel rank, and times
-`--steps` steps after one warm-up step (`--profile`: then one more, rank 0's GPU kernels under torch.profiler,
-written beside the JSON as `.profile.txt`). The steps train the same groups, unless `--vary`: new lengths every step,
-as RL's are (`--exact-shapes` then measures what a step cost before padded attention shapes were rounded to a few
-sizes: every new shape is a cuDNN graph built). It reports step time, MFU (the trainer's own FLOP count over
-`learner.peak_tflops`, 989 for H100/H200 bf16), peak GPU memory (allocated and reserved, the fullest rank), peak
-host memory (the node's used memory, sampled through the steps, less what it was before start-up) and the plan's
-prediction for each, then writes them as JSON. The planner's layout is the learner's alone: engines are not started.
+It starts one process per learner rank, builds the production trainer (`streamrl.learner.trainer.Trainer`: the model
+in the preset's real shape with random weights, Megatron's DDP and distributed optimizer with the preset's offload,
+recomputation and layout), plans a step of RL-like trajectory groups (the preset's `batching.groups_per_step` groups
+of `rollout.n` unless `--groups`/`--n`; `benchmarks/learner_mfu.py`'s lognormal response lengths) with the production
+planner into packed micro-batches per data-parallel rank, and times `--steps` steps after one warm-up step
+(`--profile`: then one more, rank 0's GPU kernels under torch.profiler, written beside the JSON as `.profile.txt`).
+The steps train the same groups, unless `--vary`: new lengths every step, as RL's are (`--exact-shapes` then measures
+what a step cost before padded attention shapes were rounded to a few sizes: every new shape is a cuDNN graph built).
+It reports step time, MFU (the trainer's own FLOP count over `learner.peak_tflops`, 989 for H100/H200 bf16), peak GPU
+memory (allocated and reserved, the fullest rank), peak host memory (the node's used memory, sampled through the
+steps, less what it was before start-up) and the plan's prediction for each, then writes them as JSON. The planner's
+layout is the learner's alone: engines are not started.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _host_used() -> float:
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
+    began = time.perf_counter()
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -58,6 +60,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     torch.set_num_threads(host_threads(config.optimizer, config.learner.world_size // config.cluster.nodes))
     init_parallel(config.learner, rank, "127.0.0.1", port, seed=0)
     trainer = Trainer(config, hf, None)
+    built_s = time.perf_counter() - began  # process start to a trainer with its model and optimizer: the start-up
+    if rank == 0:
+        print(f"trainer built in {built_s:.1f} s", flush=True)
     if args.exact_shapes:  # the baseline of the A/B: each bucket's padded attention shape as it comes
         from streamrl.learner.model import attention
 
@@ -91,6 +96,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         results.append((time.perf_counter() - start, result.metrics))
+        if rank == 0:
+            print(f"step {step}{' (warm-up)' if not step else ''}: {results[-1][0]:.2f} s", flush=True)
     reserved = torch.tensor([torch.cuda.max_memory_reserved(device) / GB if cuda else 0.0], device=device)
     dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
     timed = results[1:]
@@ -107,6 +114,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         (out / "rank0.json").write_text(
             json.dumps(
                 {
+                    "startup_s": built_s,
+                    "warmup_step_s": results[0][0],
                     "step_seconds": seconds,
                     "steps": [s for s, _ in timed],
                     "tokens": int(np.median(tokens[1:])),
@@ -129,8 +138,8 @@ def main() -> None:
     parser.add_argument("-c", "--config", required=True, type=Path)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.gpus=4")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=32)
-    parser.add_argument("--n", type=int, default=8, help="responses per group")
+    parser.add_argument("--groups", type=int, help="trajectory groups a step (default: batching.groups_per_step)")
+    parser.add_argument("--n", type=int, help="responses per group (default: rollout.n)")
     parser.add_argument("--mean-len", type=int, default=1500)
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -150,6 +159,8 @@ def main() -> None:
     from streamrl.plan import plan_memory
 
     config = load_config(args.config, args.overrides)
+    args.groups = args.groups or config.batching.groups_per_step  # the preset's own step unless told otherwise
+    args.n = args.n or config.rollout.n
     cuda = torch.cuda.is_available()
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if cuda else config.cluster.gpu_memory_gb
     plan = plan_memory(config, model_architecture(config), gpu_gb)
@@ -182,6 +193,8 @@ def main() -> None:
         "layout": config.learner.model_dump(),
         "optimizer": config.optimizer.model_dump(),
         "tokens_per_microbatch": config.batching.max_tokens_per_microbatch,
+        "groups": args.groups,
+        "responses_per_group": args.n,
         "wall_s": time.perf_counter() - start,
         **measured,
         "peak_host_gb": peak_host[0] / GB,
@@ -196,7 +209,7 @@ def main() -> None:
         f"\n{config.run.name} learner on {world}x {result['gpu']}: TP {config.learner.tensor_parallel} "
         f"PP {config.learner.pipeline_parallel} EP {config.learner.expert_parallel} DP {config.learner.data_parallel}, "
         f"offload {config.optimizer.offload_fraction if config.optimizer.cpu_offload else 0.0}, "
-        f"{result['tokens']} tokens a step"
+        f"{args.groups} groups of {args.n}, {result['tokens']} tokens a step, built in {result['startup_s']:.0f} s"
     )
     print(f"{'':<28}{'measured':>10}{'plan':>10}")
     print(f"{'step s':<28}{result['step_seconds']:>10.2f}   (steps: {', '.join(f'{s:.2f}' for s in result['steps'])})")
