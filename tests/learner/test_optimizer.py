@@ -10,7 +10,8 @@
 - Selective and full recomputation leave the loss and every gradient unchanged (within 1e-6).
 - On a GPU (marked `gpu`): `cpu_offload` with half the optimizer state on the host (Megatron's
   `HybridDeviceOptimizer`) takes the same step as the all-GPU optimizer (it needs `cpu_compat`'s detached
-  float32 shards: megatron-core 0.16.1 hands that optimizer non-leaf views).
+  float32 shards: megatron-core 0.16.1 hands that optimizer non-leaf views), its updated host masters copied
+  back to the GPU through two small pinned buffers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from streamrl.config import OptimizerConfig
+from streamrl.learner import optimizer_fixes
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import microbatch_logprobs
@@ -112,8 +114,10 @@ def _bf16_step(model_dir: Path, settings: OptimizerConfig) -> tuple[float, dict[
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("overlap", [False, True], ids=["copies-then-update", "overlapped-copies"])
 def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(
-    tp1_world: None, tiny_model_dir: Path, overlap: bool
+    tp1_world: None, tiny_model_dir: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Staging buffers smaller than most parameters, so the copies back to the GPU take turns through both.
+    monkeypatch.setattr(optimizer_fixes, "STAGING_BYTES", 4096)
     offload = SETTINGS.model_copy(update={"cpu_offload": True, "offload_fraction": 0.5, "overlap_host_copies": overlap})
     norm, params, training = _bf16_step(tiny_model_dir, offload)
     expected_norm, expected, _ = _bf16_step(tiny_model_dir, SETTINGS)
@@ -128,6 +132,9 @@ def test_cpu_offload_of_half_the_state_takes_the_same_step_on_gpu(
     assert all(p is None for group in inner.shard_fp32_from_float16_groups for p in group)
     host = [p for cpu in hybrid.cpu_optimizers for group in cpu.param_groups for p in group["params"]]
     assert host and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in host)
+    # The updated masters went back to the GPU through the two pinned buffers (streamrl.learner.optimizer_fixes).
+    ring = hybrid.pinned_ring
+    assert len(ring.buffers) == 2 and all(b.is_pinned() and b.numel() == 4096 for b in ring.buffers)
     assert norm == pytest.approx(expected_norm, rel=1e-5)
     before = _model(tiny_model_dir, params_dtype=torch.bfloat16).state_dict()
     for name, param in params.items():
