@@ -51,6 +51,10 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "optimizer": {"cpu_offload": True, "offload_fraction": 1.5}})
     with pytest.raises(ConfigError, match=r"learner\.recompute_num_layers: only used with learner\.recompute 'full'"):
         build_config({**BASE, "learner": {"recompute": "selective", "recompute_num_layers": 2}})
+    with pytest.raises(ConfigError, match=r"learner\.recompute_method: only used with learner\.recompute 'full'"):
+        build_config({**BASE, "learner": {"recompute": "none", "recompute_method": "block"}})
+    with pytest.raises(ConfigError, match=r"learner\.recompute_method: .*'uniform' or 'block'"):
+        build_config({**BASE, "learner": {"recompute": "full", "recompute_method": "first"}})
     with pytest.raises(ConfigError, match=r"learner\.recompute: .*'none', 'selective' or 'full'"):
         build_config({**BASE, "learner": {"recompute": "some"}})
     with pytest.raises(ConfigError, match=r"learner\.moe_dispatcher: 'allgather' needs learner\.context_parallel 1"):

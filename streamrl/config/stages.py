@@ -157,10 +157,20 @@ class LearnerConfig(_Section):
     recompute: Literal["none", "selective", "full"] = Field(
         "none",
         description="Activation recomputation: selective recomputes each layer's core attention in "
-        "backward; full recomputes whole blocks of recompute_num_layers layers (Megatron's uniform method).",
+        "backward; full recomputes whole layers (recompute_method, recompute_num_layers).",
+    )
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform",
+        description="recompute=full, Megatron's methods: uniform recomputes every layer, in blocks of "
+        "recompute_num_layers (only each block's input kept); block recomputes only the first recompute_num_layers "
+        "layers of each stage (of each virtual stage) and keeps the others' activations whole: less recomputation "
+        "where memory allows it (`streamrl plan` shows the activations of either).",
     )
     recompute_num_layers: int = Field(
-        1, ge=1, description="recompute=full: layers per recomputed block (only its input is kept)."
+        1,
+        ge=1,
+        description="recompute=full: layers per recomputed block (uniform: only its input is kept), or layers "
+        "recomputed per stage (block).",
     )
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed rendezvous port (0 = pick a free one).")
     collective_timeout_s: float = Field(120.0, gt=0, description="Bound on any learner collective.")
@@ -206,6 +216,8 @@ class LearnerConfig(_Section):
                 raise ValueError(f"learner.{field}: needs learner.pipeline_parallel > 1")
         if self.recompute != "full" and self.recompute_num_layers != 1:
             raise ValueError("learner.recompute_num_layers: only used with learner.recompute 'full'")
+        if self.recompute != "full" and self.recompute_method != "uniform":
+            raise ValueError("learner.recompute_method: only used with learner.recompute 'full'")
         if self.moe_dispatcher == "allgather" and self.context_parallel > 1:
             # Context parallelism pads each sequence to its own multiple, so equal rows do not stay equal.
             raise ValueError("learner.moe_dispatcher: 'allgather' needs learner.context_parallel 1")

@@ -81,6 +81,7 @@ def _build_stage(hf_config: dict[str, Any], learner: LearnerConfig, stage: int) 
                 learner.recompute,
                 learner.recompute_num_layers,
                 learner.first_stage_layers,
+                recompute_method=learner.recompute_method,
             )
         dense = experts = layers = 0
         for chunk in chunks:

@@ -67,6 +67,7 @@ class Trainer:
             learner.recompute_num_layers,
             learner.first_stage_layers,
             learner.moe_dispatcher,
+            learner.recompute_method,
         )
         for chunk in self.chunks if hf_state is not None else []:
             load_hf_weights(chunk, hf_state, hf_config)

@@ -13,15 +13,17 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   (8 for float32 parameters), sharded by the distributed optimizer over the data x context-parallel ranks (dense
   parameters) or the expert-data-parallel ranks (TP x CP x DP / EP, experts); `optimizer.offload_fraction` of it
   lives on the host with a float32 copy of its gradients (Megatron's HybridDeviceOptimizer steps it there);
-- activations of one micro-batch of `batching.max_tokens_per_microbatch` tokens, bf16, sequence-parallel (every
-  term divided by TP): per layer and token the layer input, norm output, q/k/v, attention output and, for a dense
-  MLP, its gate/up and SwiGLU outputs; for a MoE layer the router's float32 logits plus, per routed copy of the token
-  (top-k, balanced over the EP ranks), the permuted input, gate/up and SwiGLU outputs, and the shared experts'.
-  Attention keeps no scores (packed attention kernels). `recompute: full` keeps only each layer's input per
-  micro-batch in flight, plus one layer's activations while it is recomputed; `selective` recomputes only the core
-  attention, which keeps no large tensors here, so it counts as `none`. 1F1B holds (pipeline stages - stage)
-  micro-batches at once (a step of at least that many micro-batches per data-parallel rank). The last stage
-  adds the logits (`_logits`);
+- activations of one micro-batch of `batching.max_tokens_per_microbatch` tokens, bf16, sequence-parallel (every term
+  divided by TP): per layer and token the layer input, norm output, q/k/v, attention output and, for a dense MLP, its
+  gate/up and SwiGLU outputs; for a MoE layer the router's float32 logits plus, per routed copy of the token (top-k,
+  balanced over the EP ranks), the permuted input, gate/up and SwiGLU outputs, and the shared experts'. Attention
+  keeps no scores (packed attention kernels). `recompute: full` keeps per micro-batch in flight only the input of each
+  recomputed unit (`recompute_method: uniform`: every block of `recompute_num_layers` layers; `block`: each of the
+  first `recompute_num_layers` layers of a model chunk, the chunk's other layers keeping all of theirs), plus one
+  unit's activations while it is recomputed (block: the larger of that and what the chunk keeps, as the layers after
+  the recomputed ones are done by then); `selective` recomputes only the core attention, which keeps no large tensors
+  here, so it counts as `none`. 1F1B holds (pipeline stages - stage) micro-batches at once (a step of at least that
+  many micro-batches per data-parallel rank). The last stage adds the logits (`_logits`);
 - the engine (vLLM): its weights in `rollout.dtype`, dense parameters split over its tensor-parallel ranks and
   experts over its expert-parallel ranks; staging buffers for the next version (a one-GPU engine apart from the
   learner: a whole version, as the weight transport keeps; colocated: two publish buckets, which arrive through host
@@ -42,6 +44,7 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,8 +140,22 @@ def _activations(config: Config, hf: dict[str, Any], stage: StageParameters, kin
     in_flight = learner.pipeline_parallel - stage.stage  # 1F1B warm-up depth of this stage
     if learner.recompute != "full":
         return sum(per_layer) * in_flight
-    inputs = len(kinds) * 2 * hf["hidden_size"] * tokens / (tp * cp)  # what each micro-batch in flight keeps
-    return inputs * in_flight + max(per_layer, default=0.0)  # one layer recomputed at a time
+    layer_input = 2 * hf["hidden_size"] * tokens / (tp * cp)  # bf16, what a recomputed unit keeps
+    size = max(len(kinds) // learner.virtual_stages, 1)  # each model chunk (virtual stage) recomputes on its own
+    k, kept, inputs, workspace = learner.recompute_num_layers, 0.0, 0.0, 0.0
+    for first in range(0, len(per_layer), size):
+        chunk = per_layer[first : first + size]
+        if learner.recompute_method == "block":  # the first k layers one at a time; the others keep everything
+            inputs += min(k, len(chunk)) * layer_input
+            kept += min(k, len(chunk)) * layer_input + sum(chunk[k:])
+            workspace = max(workspace, max(chunk[:k], default=0.0))
+        else:  # uniform: blocks of k layers, each keeping its input, recomputed whole in backward
+            inputs += math.ceil(len(chunk) / k) * layer_input
+            kept = inputs
+            workspace = max([workspace] + [sum(chunk[i : i + k]) for i in range(0, len(chunk), k)])
+    # The micro-batch in backward: everything kept at the end of its forward, or, while a unit is recomputed, the
+    # recomputed units' inputs and that unit (block: the layers after them are done and freed by then).
+    return kept * (in_flight - 1) + max(kept, inputs + workspace)
 
 
 def _logits(config: Config, hf: dict[str, Any]) -> float:

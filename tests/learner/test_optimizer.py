@@ -166,22 +166,36 @@ def test_bf16_params_keep_fp32_master_weights(tp1_world: None, tiny_model_dir: P
     assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())  # the step moved weights
 
 
-def _loss_and_grads(model_dir: Path, recompute: str, layers: int = 1) -> tuple[float, dict, int]:
-    """(loss, gradients, forward calls of the first layer's core attention) of the test step."""
-    model = _model(model_dir, recompute=recompute, recompute_num_layers=layers)
-    calls = []
-    model.decoder.layers[0].self_attention.core_attention.register_forward_hook(lambda *_: calls.append(1))
+def _loss_and_grads(
+    model_dir: Path, recompute: str, layers: int = 1, method: str = "uniform"
+) -> tuple[float, dict, list[int]]:
+    """(loss, gradients, forward calls of each layer's core attention) of the test step."""
+    model = _model(model_dir, recompute=recompute, recompute_num_layers=layers, recompute_method=method)
+    calls = [0] * len(model.decoder.layers)
+    for index, layer in enumerate(model.decoder.layers):
+        layer.self_attention.core_attention.register_forward_hook(
+            lambda *_, index=index: calls.__setitem__(index, calls[index] + 1)
+        )
     losses = run_microbatches([model], _microbatches(), _loss)
-    return sum(losses), {name: p.grad.clone() for name, p in model.named_parameters()}, len(calls)
+    return sum(losses), {name: p.grad.clone() for name, p in model.named_parameters()}, calls
 
 
-@pytest.mark.parametrize(("recompute", "layers"), [("selective", 1), ("full", 1), ("full", 2)])
+@pytest.mark.parametrize(
+    ("recompute", "layers", "method", "recomputed"),
+    [
+        ("selective", 1, "uniform", [True, True]),
+        ("full", 1, "uniform", [True, True]),
+        ("full", 2, "uniform", [True, True]),
+        ("full", 1, "block", [True, False]),  # only the first layer; the second keeps its activations
+    ],
+)
 def test_recompute_leaves_gradients_unchanged(
-    tp1_world: None, tiny_model_dir: Path, recompute: str, layers: int
+    tp1_world: None, tiny_model_dir: Path, recompute: str, layers: int, method: str, recomputed: list[bool]
 ) -> None:
-    loss, grads, calls = _loss_and_grads(tiny_model_dir, recompute, layers)
+    loss, grads, calls = _loss_and_grads(tiny_model_dir, recompute, layers, method)
     expected_loss, expected, expected_calls = _loss_and_grads(tiny_model_dir, "none")
-    assert (expected_calls, calls) == (len(_microbatches()), 2 * len(_microbatches()))  # recomputed in backward
+    once = len(_microbatches())
+    assert expected_calls == [once, once] and calls == [2 * once if r else once for r in recomputed]  # in backward
     assert loss == pytest.approx(expected_loss, abs=1e-6)
     for name, grad in grads.items():
         assert (grad - expected[name]).abs().max().item() < 1e-6, name

@@ -52,6 +52,37 @@ def test_terms_follow_the_stated_assumptions() -> None:
     assert learner.terms["logits"] == 4 * 16384 * hf["vocab_size"]  # TP 1: bf16 logits and their gradient
 
 
+def test_recomputation_methods_keep_what_they_say() -> None:
+    """Full recomputation keeps a layer's input per recomputed unit plus one unit's activations: uniform blocks of k
+    layers, or (block) the first k layers one at a time with the other layers keeping all of theirs."""
+    base = ["cluster.gpus=4", "optimizer.offload_fraction=1.0"]
+
+    def activations(*overrides: str) -> float:
+        config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", [*base, *overrides])
+        (learner,) = plan_memory(config, config.model.architecture, 141).learner
+        return learner.terms["activations"]
+
+    config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", base)
+    hf, layers = config.model.architecture, config.model.architecture["num_hidden_layers"]
+    layer_input = 2 * hf["hidden_size"] * config.batching.max_tokens_per_microbatch
+    none, full = activations("learner.recompute=none"), activations("learner.recompute=full")
+    per_layer = none / layers  # every layer is a MoE layer of the same shape
+    assert full == pytest.approx(layers * layer_input + per_layer)
+    assert activations("learner.recompute=full", "learner.recompute_num_layers=4") == pytest.approx(
+        layers / 4 * layer_input + 4 * per_layer
+    )
+    block = [
+        activations("learner.recompute=full", "learner.recompute_method=block", f"learner.recompute_num_layers={k}")
+        for k in (1, 12, 47, 48, 64)
+    ]
+    # Block: what a micro-batch keeps (the recomputed layers' inputs, the others whole), larger than a layer's input
+    # plus the one layer recomputed at a time.
+    assert block[0] == pytest.approx(layer_input + 47 * per_layer)
+    assert block[1] == pytest.approx(12 * layer_input + 36 * per_layer)
+    assert block[2] == pytest.approx(47 * layer_input + per_layer)  # the last layer whole, or one recomputed
+    assert none > block[0] > block[1] > block[2] and block[3] == block[4] == pytest.approx(full)
+
+
 def test_a_layout_that_does_not_fit_names_its_largest_term(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "-c", str(CONFIGS / "qwen3-30b-a3b.yaml"), "cluster.gpus=4", "optimizer.cpu_offload=false"]
     assert main(args) == 1

@@ -116,14 +116,18 @@ def _pipeline_fields(
     )
 
 
-def _recompute_fields(recompute: str, recompute_num_layers: int) -> dict[str, Any]:
-    """Megatron's activation recomputation for `learner.recompute` (none, selective, full)."""
+def _recompute_fields(recompute: str, recompute_num_layers: int, recompute_method: str) -> dict[str, Any]:
+    """Megatron's activation recomputation for `learner.recompute` (none, selective, full: `recompute_method`)."""
     if recompute == "none":
         return {}
     if recompute == "selective":  # the core attention only (Megatron's default recompute_modules)
         return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     if recompute == "full":
-        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+        if recompute_method not in ("uniform", "block"):
+            raise ValueError(f"learner.recompute_method: expected uniform or block, got {recompute_method!r}")
+        return dict(
+            recompute_granularity="full", recompute_method=recompute_method, recompute_num_layers=recompute_num_layers
+        )
     raise ValueError(f"learner.recompute: expected none, selective or full, got {recompute!r}")
 
 
@@ -135,13 +139,14 @@ def transformer_config(
     recompute_num_layers: int = 1,
     first_stage_layers: int | None = None,
     moe_dispatcher: str = "alltoall",
+    recompute_method: str = "uniform",
 ) -> TransformerConfig:
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
     `params_dtype` is the dtype of the model's weights and activations (bfloat16: Megatron's optimizer keeps float32
     master weights, `streamrl.learner.optimizer`); `recompute` selects activation recomputation (none, selective:
-    core attention, full: blocks of `recompute_num_layers` layers); `moe_dispatcher` is Megatron's token dispatcher
-    of MoE layers (`learner.moe_dispatcher`).
+    core attention, full: `recompute_num_layers` layers by `recompute_method`); `moe_dispatcher` is Megatron's token
+    dispatcher of MoE layers (`learner.moe_dispatcher`).
     """
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()
@@ -205,7 +210,7 @@ def transformer_config(
         **(
             _pipeline_fields(hf_config, last_stage_layers, first_stage_layers)
             | moe
-            | _recompute_fields(recompute, recompute_num_layers)
+            | _recompute_fields(recompute, recompute_num_layers, recompute_method)
         ),
     )
 
@@ -272,6 +277,7 @@ def build_model_chunks(
     recompute_num_layers: int = 1,
     first_stage_layers: int | None = None,
     moe_dispatcher: str = "alltoall",
+    recompute_method: str = "uniform",
 ) -> list[GPTModel]:
     """This rank's model chunks, in virtual-stage order (one without virtual stages); see the module docstring."""
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -285,6 +291,7 @@ def build_model_chunks(
             recompute_num_layers,
             first_stage_layers,
             moe_dispatcher,
+            recompute_method,
         )
         for stage in ([None] if virtual is None else range(virtual))
     ]
@@ -299,10 +306,18 @@ def build_gpt_model(
     recompute_num_layers: int = 1,
     first_stage_layers: int | None = None,
     moe_dispatcher: str = "alltoall",
+    recompute_method: str = "uniform",
 ) -> GPTModel:
     """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`; see the module docstring."""
     config = transformer_config(
-        hf_config, params_dtype, last_stage_layers, recompute, recompute_num_layers, first_stage_layers, moe_dispatcher
+        hf_config,
+        params_dtype,
+        last_stage_layers,
+        recompute,
+        recompute_num_layers,
+        first_stage_layers,
+        moe_dispatcher,
+        recompute_method,
     )
     if config.multi_latent_attention:
         allow_mla_without_transformer_engine()
