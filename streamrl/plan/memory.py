@@ -14,16 +14,18 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   parameters) or the expert-data-parallel ranks (TP x CP x DP / EP, experts); `optimizer.offload_fraction` of it
   lives on the host with a float32 copy of its gradients (Megatron's HybridDeviceOptimizer steps it there);
 - activations of one micro-batch of `batching.max_tokens_per_microbatch` tokens, bf16, sequence-parallel (every term
-  divided by TP): per layer and token the layer input, norm output, q/k/v, attention output and, for a dense MLP, its
-  gate/up and SwiGLU outputs; for a MoE layer the router's float32 logits plus, per routed copy of the token (top-k,
-  balanced over the EP ranks), the permuted input, gate/up and SwiGLU outputs, and the shared experts'. Attention
-  keeps no scores (packed attention kernels). `recompute: full` keeps per micro-batch in flight only the input of each
-  recomputed unit (`recompute_method: uniform`: every block of `recompute_num_layers` layers; `block`: each of the
-  first `recompute_num_layers` layers of a model chunk, the chunk's other layers keeping all of theirs), plus one
-  unit's activations while it is recomputed (block: the larger of that and what the chunk keeps, as the layers after
-  the recomputed ones are done by then); `selective` recomputes only the core attention, which keeps no large tensors
-  here, so it counts as `none`. 1F1B holds (pipeline stages - stage) micro-batches at once (a step of at least that
-  many micro-batches per data-parallel rank). The last stage adds the logits (`_logits`);
+  divided by TP): per layer and token the layer input, norm output, q/k/v (and q/k before their norms, with QK-norm),
+  attention output, the residual after attention and, for a dense MLP, its norm output, gate/up and SwiGLU outputs;
+  for a MoE layer its norm output, the router's float32 logits and probabilities and its routing map plus, per routed
+  copy of the token (top-k, balanced over the EP ranks), the permuted input, gate/up and SwiGLU outputs, and the
+  shared experts'. Attention keeps no scores (packed attention kernels). `recompute: full` keeps per micro-batch in
+  flight only the input of each recomputed unit (`recompute_method: uniform`: every block of `recompute_num_layers`
+  layers; `block`: each of the first `recompute_num_layers` layers of a model chunk, the chunk's other layers keeping
+  all of theirs), plus one unit's activations while it is recomputed (block: the larger of that and what the chunk
+  keeps, as the layers after the recomputed ones are done by then); `selective` recomputes only the core attention,
+  which keeps no large tensors here, so it counts as `none`. 1F1B holds (pipeline stages - stage) micro-batches at
+  once (a step of at least that many micro-batches per data-parallel rank). The last stage adds the logits
+  (`_logits`);
 - the engine (vLLM): its weights in `rollout.dtype`, dense parameters split over its tensor-parallel ranks and
   experts over its expert-parallel ranks; staging buffers for the next version (a one-GPU engine apart from the
   learner: a whole version, as the weight transport keeps; colocated: two publish buckets, which arrive through host
@@ -57,6 +59,7 @@ from streamrl.learner import (
     shared_expert_size,
     stage_parameters,
 )
+from streamrl.learner.model.gpt import has_qk_layernorm
 
 GB = 1e9
 RUNTIME_BYTES = 3e9
@@ -123,14 +126,25 @@ def _attention_widths(hf: dict[str, Any]) -> int:
 def _layer_activation_elements(hf: dict[str, Any], sparse: bool, tp: int) -> float:
     """Elements one token keeps for backward in one layer on one rank (see the module docstring)."""
     h = hf["hidden_size"]
-    attention = 2 * h + _attention_widths(hf)  # input, norm output, q/k/v/output
+    # The input, its norm's output, q/k/v/output, q and k again before their norms (QK-norm), and the residual
+    # after attention (the MLP norm's input).
+    attention = 3 * h + _attention_widths(hf) + _qk_norm_inputs(hf)
     if not sparse:
         mlp = h + 3 * hf["intermediate_size"]  # norm output, gate/up, SwiGLU output
         return (attention + mlp) / tp
     experts = num_experts(hf)
     routed = hf["num_experts_per_tok"] * (h + 3 * expert_size(hf))
     shared = 3 * shared_expert_size(hf)
-    return (attention + h + 2 * experts + routed + shared) / tp  # float32 router logits count twice
+    router = 4.5 * experts  # float32 logits and probabilities (2 + 2 elements' worth), the boolean routing map
+    return (attention + h + router + routed + shared) / tp
+
+
+def _qk_norm_inputs(hf: dict[str, Any]) -> int:
+    """Per token: q and k as their norms keep them (models with QK-norm, not MLA's latent norms)."""
+    if hf.get("kv_lora_rank") or not has_qk_layernorm(hf):
+        return 0
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    return (heads + kv) * (hf.get("head_dim") or hf["hidden_size"] // heads)
 
 
 def _activations(config: Config, hf: dict[str, Any], stage: StageParameters, kinds: list[bool]) -> float:
