@@ -16,5 +16,6 @@ __all__, __getattr__ = exports(
         "expert_size": "model.moe",
         "num_experts": "model.moe",
         "shared_expert_size": "model.moe",
+        "has_qk_layernorm": "model.gpt",
     },
 )

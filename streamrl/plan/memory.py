@@ -54,12 +54,12 @@ from streamrl.config import Config
 from streamrl.learner import (
     StageParameters,
     expert_size,
+    has_qk_layernorm,
     moe_layers,
     num_experts,
     shared_expert_size,
     stage_parameters,
 )
-from streamrl.learner.model.gpt import has_qk_layernorm
 
 GB = 1e9
 RUNTIME_BYTES = 3e9
