@@ -119,8 +119,6 @@ def test_learning(tmp_path: Path) -> None:
         ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2", *ENGINE_TP2],
         # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
         ["learner.pipeline_parallel=2"],
-        # Every sequence split over two context-parallel ranks (zigzag shards; keys/values all-gathered).
-        ["learner.context_parallel=2"],
         # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks, into an
         # engine of one GPU; the learner's tokens move by Megatron's allgather dispatcher (equal-length micro-batches).
         [
@@ -134,17 +132,17 @@ def test_learning(tmp_path: Path) -> None:
         # and falls back to loading the staged version (streaming itself: tests/weights).
         ["model.init_if_missing.arch=llama", "rollout.weight_apply=streamed"],
         # vLLM's engine core in a process of its own: its worker receives the versions, loaded with its scheduler
-        # paused between two steps while requests run.
-        ["rollout.engine_process=true"],
+        # paused between two steps while requests run; the learner's sequences split over two context-parallel
+        # ranks (zigzag shards; keys/values all-gathered).
+        ["rollout.engine_process=true", "learner.context_parallel=2"],
     ],
     ids=[
         "tied-qwen2-tp2-drain",
         "moe-ep2-engine-tp2",
         "pp2",
-        "cp2",
         "mixtral-ep2-allgather",
         "llama3-rope-tied-streamed",
-        "engine-process",
+        "engine-process-cp2",
     ],
 )
 def test_logprob_parity(tmp_path: Path, layout: list[str], request: pytest.FixtureRequest) -> None:
