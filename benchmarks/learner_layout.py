@@ -97,7 +97,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
             torch.cuda.synchronize(device)
         results.append((time.perf_counter() - start, result.metrics))
         if rank == 0:
-            print(f"step {step}{' (warm-up)' if not step else ''}: {results[-1][0]:.2f} s", flush=True)
+            phases = ", ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in result.metrics.items() if k.endswith("_s"))
+            print(f"step {step}{' (warm-up)' if not step else ''}: {results[-1][0]:.2f} s ({phases})", flush=True)
     reserved = torch.tensor([torch.cuda.max_memory_reserved(device) / GB if cuda else 0.0], device=device)
     dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
     timed = results[1:]
@@ -116,6 +117,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
                 {
                     "startup_s": built_s,
                     "warmup_step_s": results[0][0],
+                    # Where the warm-up's extra time goes: compiling and cuDNN graphs (forward/backward) or the
+                    # optimizer's state made on first use.
+                    "warmup_phases": {k: v for k, v in results[0][1].items() if k.endswith("_s")},
                     "step_seconds": seconds,
                     "steps": [s for s, _ in timed],
                     "tokens": int(np.median(tokens[1:])),

@@ -39,4 +39,5 @@ def test_a_presets_learner_steps_at_its_layout_next_to_the_plan(tmp_path: Path) 
     assert 2 * 2 * (16 + 16) <= result["tokens"] <= 2 * 2 * (16 + 64) and result["step_seconds"] > 0
     assert result["plan"]["gpu_gb"] > 0 and result["plan"]["host_gb"] > 0
     assert result["groups"] == 2 and result["responses_per_group"] == 2 and result["startup_s"] > 0
+    assert result["warmup_phases"]["perf/forward_backward_s"] > 0 and "perf/optimizer_s" in result["warmup_phases"]
     assert "step s" in done.stdout
