@@ -51,6 +51,12 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "optimizer": {"cpu_offload": True, "offload_fraction": 1.5}})
     with pytest.raises(ConfigError, match=r"learner\.recompute_num_layers: only used with learner\.recompute 'full'"):
         build_config({**BASE, "learner": {"recompute": "selective", "recompute_num_layers": 2}})
+    with pytest.raises(ConfigError, match=r"optimizer\.min_lr_ratio: only used with optimizer\.lr_schedule"):
+        build_config({**BASE, "optimizer": {"min_lr_ratio": 0.1}})
+    with pytest.raises(ConfigError, match=r"optimizer\.lr_schedule: .*'constant', 'linear' or 'cosine'"):
+        build_config({**BASE, "optimizer": {"lr_schedule": "step"}})
+    with pytest.raises(ConfigError, match=r"optimizer\.lr_warmup_steps: 50 is more than train\.steps 40"):
+        build_config({**BASE, "optimizer": {"lr_warmup_steps": 50}, "train": {"steps": 40}})
     with pytest.raises(ConfigError, match=r"learner\.recompute_method: only used with learner\.recompute 'full'"):
         build_config({**BASE, "learner": {"recompute": "none", "recompute_method": "block"}})
     with pytest.raises(ConfigError, match=r"learner\.recompute_method: .*'uniform' or 'block'"):

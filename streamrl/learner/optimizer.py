@@ -22,7 +22,8 @@ Contract: after `streamrl.learner.parallel.init_parallel`, with the chunks built
   (Megatron's `HybridDeviceOptimizer`, under its precision-aware optimizer: no float32 master shard stays on the
   GPU for the offloaded share; `overlap_host_copies` pipelines the copies with the host update, parameter by
   parameter); without CUDA it is a no-op, as every tensor already lives in host memory.
-Per step: `training.zero_grad()`, `run_microbatches(training.models, ...)`, then `training.step()` (the grad norm).
+Per step: `training.set_learning_rate(lr)` (`streamrl.learner.lr_schedule`), `training.zero_grad()`,
+`run_microbatches(training.models, ...)`, then `training.step()` (the grad norm).
 `host_threads(settings, ranks_per_node)` is how many threads a rank computes with on the host: the offloaded
 share's update is a CPU AdamW over up to billions of parameters, which one thread (a rank's default) makes a third of
 a step (measured on Qwen3-30B-A3B).
@@ -66,6 +67,12 @@ class Training:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The rate of the next updates, in every parameter group (Megatron's chained and host optimizers pass it
+        on to theirs at their step)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def step(self) -> float:
         """Clip and apply the completed gradients; returns the global gradient norm before clipping."""
         applied, grad_norm, _ = self.optimizer.step()
@@ -80,7 +87,7 @@ def _megatron_optimizer_config(settings: config.OptimizerConfig, bf16: bool) -> 
     megatron = OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
-        min_lr=settings.lr,  # no schedule: a constant learning rate
+        min_lr=settings.lr,  # Megatron's own scheduler unused: the trainer sets each step's rate (lr_schedule)
         adam_beta1=settings.betas[0],
         adam_beta2=settings.betas[1],
         adam_eps=settings.eps,

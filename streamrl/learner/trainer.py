@@ -5,7 +5,8 @@ builder's random weights in the model's shape). `train(microbatches)` runs
 this rank's micro-batches (its data-parallel share; each context-parallel rank runs its zigzag shard of every
 sequence) through Megatron's schedule (`streamrl.learner.pipeline`): forward recomputes log-probs, the last stage
 computes the loss (`streamrl.loss`), backward; Megatron's DDP completes the gradients (summed over data-parallel
-ranks) and its optimizer clips them by the global norm and applies them (`streamrl.learner.optimizer`). It is a
+ranks) and its optimizer clips them by the global norm and applies them (`streamrl.learner.optimizer`) at the step's
+learning rate (`streamrl.learner.lr_schedule`, reported as `train/lr`). It is a
 collective over the whole learner world and returns the step's statistics reduced over every rank. With
 `loss.kl_coef > 0` a frozen copy of the chunks with the initial weights (the reference policy) runs forward-only
 over the micro-batches first; with `loss.entropy_coef > 0` the loss gets each token's entropy from the
@@ -29,6 +30,7 @@ from streamrl.batching import filler_microbatch, flops_cost_model
 from streamrl.config import Config
 from streamrl.learner.context_parallel import padded_cu_seqlens, shard_microbatch, zigzag_columns
 from streamrl.learner.hf.convert import load_hf_weights
+from streamrl.learner.lr_schedule import learning_rate
 from streamrl.learner.model.gpt import build_model_chunks
 from streamrl.learner.model.logprobs import score_as_sampled
 from streamrl.learner.model.moe import num_experts
@@ -145,6 +147,8 @@ class Trainer:
             counted = start_logp if ps.get_tensor_model_parallel_rank() == 0 else {}
             parity = self.parity.measure(counted, shards, version, self.device)
         parts = self._mini_batches(shards) if updates > 1 else [(shards, 1.0)]
+        lr = learning_rate(self.config.optimizer, self.config.train.steps, step)
+        self.training.set_learning_rate(lr)
         if self.router_load is not None:
             self.router_load.reset()
         with_entropy = loss_config.entropy_coef > 0
@@ -180,7 +184,8 @@ class Trainer:
         peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         moe = self.router_load.metrics() if self.router_load is not None else {}
-        metrics = moe | parity | self._perf_metrics(timer, totals.flops, float(peak)) | {"train/updates": updates}
+        metrics = moe | parity | self._perf_metrics(timer, totals.flops, float(peak))
+        metrics |= {"train/updates": updates, "train/lr": lr}
         return TrainResult(totals, grad_norm, metrics)
 
     def _perf_metrics(self, timer: StepTimer, flops: float, peak_gib: float) -> dict[str, float]:

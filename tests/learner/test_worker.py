@@ -108,3 +108,34 @@ def test_a_parity_gap_on_fresh_tokens_stops_the_step(
     }
     with pytest.raises(ParityError, match=r"train.parity_every: .* 36 tokens sampled with version 0"):
         _steps(tree, redis_server, groups=2, steps=1)
+
+
+def test_each_step_updates_at_its_scheduled_learning_rate(
+    tiny_model_dirs: Callable[[str], Path], redis_server, tmp_path: Path
+) -> None:
+    """With a warm-up of 4 steps the first update moves each weight by lr / 4: Adam's first step is lr times the
+    sign of the gradient. The steps report the schedule as `train/lr`."""
+    from streamrl.learner.worker import LearnerWorker
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    config = build_config(
+        {
+            "model": {"path": str(tiny_model_dirs("qwen3"))},
+            "run": {"name": name, "dir": str(tmp_path)},
+            "batching": {"groups_per_step": 2},
+            "train": {"steps": 6},
+            "optimizer": {"lr": 1e-2, "lr_warmup_steps": 4, "lr_schedule": "cosine"},
+        }
+    )
+    producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), QueueKeys(name), 16, 10.0)
+    producer.push([make_group([3, 5], seed) for seed in range(6)])
+    worker = LearnerWorker(config, 0, "127.0.0.1", free_port(), redis_server.url, redis_server.password)
+    try:
+        before = {n: p.detach().clone() for n, p in worker.trainer.chunks[0].named_parameters()}
+        first = worker.step()
+        moved = max((p.detach() - before[n]).abs().max().item() for n, p in worker.trainer.chunks[0].named_parameters())
+        rates = [first["train/lr"]] + [worker.step()["train/lr"] for _ in range(2)]
+    finally:
+        destroy_parallel()
+    assert moved == pytest.approx(2.5e-3, rel=1e-4)
+    assert rates == pytest.approx([2.5e-3, 5e-3, 7.5e-3])
