@@ -1,7 +1,8 @@
 """A job started on a run directory with a checkpoint resumes from it: same weights, its step and version, the
 engines get the resumed weights before the first step, and W&B's history goes on in one run. Job one: 4 steps,
 checkpoints at 2 and 4. Started again unchanged, it is finished and says so (no cluster, no new W&B run). Job two:
-`train.steps=6` and TP=2 on the same run directory, so it must run exactly steps 5 and 6."""
+`train.steps=6` and TP=2 on the same run directory, so it must run exactly steps 5 and 6, at the learning rate
+after the warm-up (steps 1-3) rather than a new one."""
 
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from tests.orchestrate.parity import assert_logprob_parity, learner_logprobs, ti
 
 @pytest.mark.slow
 def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
-    first = tiny_config(tmp_path, "train.steps=4", "train.checkpoint_every=2")
+    warmup = "optimizer.lr_warmup_steps=3"  # a resumed run goes on with the schedule, not a new warm-up
+    first = tiny_config(tmp_path, "train.steps=4", "train.checkpoint_every=2", warmup)
     prepare_run(first)
     with Cluster(first) as cluster:
         assert start_step(cluster) == 0
@@ -33,7 +35,7 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
     # Resumed with TP=2 (saved with TP=1). publish_every=2: step 5 publishes nothing, so the engine version it
     # reports is the resume publish's.
     overrides = ("train.steps=6", "train.checkpoint_every=2", "train.publish_every=2", "learner.tensor_parallel=2")
-    second = tiny_config(tmp_path, *overrides)
+    second = tiny_config(tmp_path, *overrides, warmup)
     prepare_run(second)
     with Cluster(second) as cluster:
         assert start_step(cluster) == 4
@@ -46,4 +48,6 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
     assert latest_checkpoint(root) == step_dir(root, 6)
     history = read_history(second.run.dir)  # one W&B run over both starts
     assert [row["train/policy_version"] for row in history] == [1, 2, 3, 4, 5, 6]
+    lr = first.optimizer.lr
+    assert [row["train/lr"] for row in history] == pytest.approx([lr / 3, 2 * lr / 3, lr, lr, lr, lr])
     assert len(list(second.run.dir.rglob("offline-run-*"))) == 2
