@@ -120,6 +120,12 @@ class TrainConfig(_Section):
         description="Save a learner checkpoint (run.dir/checkpoints) every this many steps and at the "
         "end; 0 saves none.",
     )
+    keep_checkpoints: int = Field(
+        0,
+        ge=0,
+        description="Keep only this many newest checkpoints (each save removes older ones; a 30B model's with its "
+        "optimizer state is ~0.4 TB); 0 keeps all.",
+    )
     resume: bool = Field(
         True, description="Start from run.dir/checkpoints/latest when it exists (model, optimizer, step, version)."
     )

@@ -26,7 +26,8 @@ RUN_DIR/checkpoints/
   latest         "step_00000004": replaced by an atomic rename once meta.json is on disk
 ```
 A directory without meta.json (a crash mid-save) is never pointed to by `latest`; a malformed meta.json or
-`latest` raises `CheckpointError` naming the file and the field.
+`latest` raises `CheckpointError` naming the file and the field. With `train.keep_checkpoints` N > 0, each save
+then removes all but the N newest complete checkpoints, and older leftovers of crashed saves.
 
 Exactly-once: groups are acked in Redis, and their ids recorded, right after the optimizer step that trained
 them (`TrajectoryConsumer.commit`), not at checkpoint time. Resuming from a checkpoint older than the last step
@@ -59,6 +60,7 @@ from streamrl.learner.checkpoint_meta import (
     META,
     CheckpointError,
     CheckpointMeta,
+    prune_checkpoints,
     read_meta,
     step_dir,
 )
@@ -149,9 +151,16 @@ def _layout() -> tuple[int, int, int]:
 
 
 def save_checkpoint(
-    root: Path, step: int, version: int, chunks: Chunks, optimizer: MegatronOptimizer, config_hash: str
+    root: Path,
+    step: int,
+    version: int,
+    chunks: Chunks,
+    optimizer: MegatronOptimizer,
+    config_hash: str,
+    keep: int = 0,
 ) -> Path:
-    """Collective: write `root/step_{step:08d}` and point `root/latest` at it; returns the step directory."""
+    """Collective: write `root/step_{step:08d}` and point `root/latest` at it, then (`keep` > 0) remove all but the
+    `keep` newest checkpoints (`prune_checkpoints`); returns the step directory."""
     path = step_dir(root, step)
     rank = dist.get_rank()
     if rank == 0:  # a crashed earlier save of this step may have left files behind
@@ -166,6 +175,8 @@ def save_checkpoint(
         meta = CheckpointMeta(FORMAT, step, version, tp, dp, config_hash, pp)
         _write_atomically(path / META, json.dumps(asdict(meta), indent=1) + "\n")
         _write_atomically(root / LATEST, path.name + "\n")
+        if keep:
+            prune_checkpoints(root, keep)
     dist.barrier()
     return path
 

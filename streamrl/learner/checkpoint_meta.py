@@ -1,12 +1,15 @@
 """Checkpoint bookkeeping without torch: where a run directory's checkpoints live, which one is the latest, and what a
 step directory's `meta.json` says (validated, errors naming the file and field). The driver reads it before any
-learner starts; `checkpoint.py` writes and loads the checkpoints themselves.
+learner starts; `checkpoint.py` writes and loads the checkpoints themselves. `prune_checkpoints(root, keep)` removes
+all but the `keep` newest complete checkpoints (never the one `latest` names) and the leftovers of saves that crashed
+before it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,3 +95,28 @@ def completed_step(run_dir: Path) -> int:
     """The step of the run directory's latest completed checkpoint (0 when there is none)."""
     latest = latest_checkpoint(checkpoint_root(run_dir))
     return 0 if latest is None else read_meta(latest).step
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Remove every step directory older than the `keep` newest complete ones, and incomplete ones (a save that
+    crashed) older than the latest; returns what was removed. `keep` >= 1; the latest is always among those kept."""
+    if keep < 1:
+        raise ValueError(f"train.keep_checkpoints: prune needs at least 1 to keep, got {keep}")
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return []
+    newest = read_meta(latest).step
+    complete, removed = [], []
+    for path in sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)):
+        step = int(_STEP_DIR.fullmatch(path.name).group(1))
+        if step > newest:
+            continue  # not older than the latest: none is written while this runs (the learner saves in turn)
+        try:
+            read_meta(path)
+            complete.append(path)
+        except CheckpointError:
+            removed.append(path)  # a crashed save's leftovers
+    removed += [path for path in complete[:-keep] if path != latest]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

@@ -142,6 +142,7 @@ class LearnerWorker:
             self.trainer.chunks,
             self.trainer.training.optimizer,
             checkpoint.config_hash(self.config),
+            self.config.train.keep_checkpoints,
         )
         self.steps.checkpointed(step)  # complete on every rank (the save ends with a barrier): prune the journal
         return str(path)

@@ -2,7 +2,7 @@
 engines get the resumed weights before the first step, and W&B's history goes on in one run. Job one: 4 steps,
 checkpoints at 2 and 4. Started again unchanged, it is finished and says so (no cluster, no new W&B run). Job two:
 `train.steps=6` and TP=2 on the same run directory, so it must run exactly steps 5 and 6, at the learning rate
-after the warm-up (steps 1-3) rather than a new one."""
+after the warm-up (steps 1-3) rather than a new one, keeping only its newest checkpoint."""
 
 from pathlib import Path
 
@@ -35,7 +35,7 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
     # Resumed with TP=2 (saved with TP=1). publish_every=2: step 5 publishes nothing, so the engine version it
     # reports is the resume publish's.
     overrides = ("train.steps=6", "train.checkpoint_every=2", "train.publish_every=2", "learner.tensor_parallel=2")
-    second = tiny_config(tmp_path, *overrides, warmup)
+    second = tiny_config(tmp_path, *overrides, warmup, "train.keep_checkpoints=1")
     prepare_run(second)
     with Cluster(second) as cluster:
         assert start_step(cluster) == 4
@@ -46,6 +46,7 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
         assert [row["rollout/engine_version"] for row in history] == [4, 6]
         assert_logprob_parity(cluster, second)
     assert latest_checkpoint(root) == step_dir(root, 6)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000006"]  # keep_checkpoints=1
     history = read_history(second.run.dir)  # one W&B run over both starts
     assert [row["train/policy_version"] for row in history] == [1, 2, 3, 4, 5, 6]
     lr = first.optimizer.lr
