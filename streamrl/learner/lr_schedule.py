@@ -3,7 +3,8 @@
 Contract: `learning_rate(settings, total_steps, step)` is the rate of step `step` (1-based, as the learner numbers
 its steps: step s takes the weights of version s - 1 to version s) of a run of `total_steps` (`train.steps`), for the
 `optimizer.*` config `settings`:
-- warm-up, steps 1 .. W (`lr_warmup_steps`): `lr * s / W`, so the first update is already a small one;
+- warm-up, steps 1 .. W (`lr_warmup_steps`): `lr * s / W`, so the first update is already a small one (a step 0,
+  as a benchmark's warm-up numbers it, gets 0 then, and `lr` without a warm-up);
 - after it, with p = (s - W) / (total_steps - W) the share of the decay done: `constant` keeps `lr`; `linear` goes
   to `lr * min_lr_ratio` along a line, `cosine` along half a cosine, both reaching it at the last step (p = 1) and
   staying there past it (a run resumed with more steps than it was planned with).
@@ -22,8 +23,8 @@ if TYPE_CHECKING:  # the config module needs pydantic, which a learner-only inst
 def learning_rate(settings: config.OptimizerConfig, total_steps: int, step: int) -> float:
     """The learning rate of step `step` (1-based) of a run of `total_steps` steps (see the module docstring)."""
     warmup = settings.lr_warmup_steps
-    if step <= warmup:
-        return settings.lr * step / warmup
+    if warmup and step <= warmup:
+        return settings.lr * max(step, 0) / warmup
     if settings.lr_schedule == "constant":
         return settings.lr
     done = min((step - warmup) / max(total_steps - warmup, 1), 1.0)

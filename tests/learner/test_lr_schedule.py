@@ -18,6 +18,8 @@ def _rates(steps: int, **settings: object) -> list[float]:
 
 def test_constant_is_the_default_and_warm_up_rises_linearly() -> None:
     assert _rates(5) == [1e-3] * 7
+    assert learning_rate(OptimizerConfig(lr=1e-3), 5, 0) == 1e-3  # a step 0 (a benchmark's warm-up) is defined too
+    assert learning_rate(OptimizerConfig(lr=1e-3, lr_warmup_steps=2), 5, 0) == 0.0
     assert _rates(6, lr_warmup_steps=4) == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3])
 
 
