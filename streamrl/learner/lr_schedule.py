@@ -7,8 +7,9 @@ its steps: step s takes the weights of version s - 1 to version s) of a run of `
   as a benchmark's warm-up numbers it, gets 0 then, and `lr` without a warm-up);
 - after it, with p = (s - W) / (total_steps - W) the share of the decay done: `constant` keeps `lr`; `linear` goes
   to `lr * min_lr_ratio` along a line, `cosine` along half a cosine, both reaching it at the last step (p = 1) and
-  staying there past it (a run resumed with more steps than it was planned with).
-It depends on the step alone, so a resumed run continues the same schedule (the checkpoint holds the step).
+  staying there past it.
+It depends on the step alone, so a resumed run continues the same schedule (the checkpoint holds the step); one
+resumed with a larger `train.steps` stretches the rest of its decay to the new last step.
 """
 
 from __future__ import annotations
