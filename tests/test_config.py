@@ -51,6 +51,8 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "optimizer": {"cpu_offload": True, "offload_fraction": 1.5}})
     with pytest.raises(ConfigError, match=r"learner\.recompute_num_layers: only used with learner\.recompute 'full'"):
         build_config({**BASE, "learner": {"recompute": "selective", "recompute_num_layers": 2}})
+    with pytest.raises(ConfigError, match=r"loss\.overlong_buffer: 300 is more than rollout\.max_tokens 256"):
+        build_config({**BASE, "loss": {"overlong_buffer": 300}, "rollout": {"max_tokens": 256}})
     with pytest.raises(ConfigError, match=r"optimizer\.min_lr_ratio: only used with optimizer\.lr_schedule"):
         build_config({**BASE, "optimizer": {"min_lr_ratio": 0.1}})
     with pytest.raises(ConfigError, match=r"optimizer\.lr_schedule: .*'constant', 'linear' or 'cosine'"):

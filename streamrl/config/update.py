@@ -48,6 +48,14 @@ class LossConfig(_Section):
         description="GRPO advantage scale: (r - mean) / std with n - 1 (unbiased) or n (population) degrees of "
         "freedom, or r - mean alone (none: Dr. GRPO). A group whose rewards are all equal gets exactly 0.",
     )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's overlong reward shaping: responses running into the last this many tokens before "
+        "rollout.max_tokens lose up to overlong_penalty of reward, linearly (applied to the advantages; the "
+        "stream and rollout/reward_mean keep the task's reward); 0 turns it off.",
+    )
+    overlong_penalty: float = Field(1.0, gt=0.0, description="overlong_buffer: the penalty at rollout.max_tokens.")
     entropy_coef: float = Field(
         0.0,
         ge=0,

@@ -1,5 +1,5 @@
-"""The objective: GRPO advantages, PPO-clip with truncated importance weights, entropy bonus and KL to a
-reference. Public API below."""
+"""The objective: GRPO advantages (from rewards with DAPO's overlong shaping, optionally), PPO-clip with truncated
+importance weights, entropy bonus and KL to a reference. Public API below."""
 
 from streamrl.api import exports
 
@@ -7,6 +7,7 @@ __all__, __getattr__ = exports(
     __name__,
     {
         "grpo_advantages": "grpo",
+        "with_overlong_penalties": "overlong",
         "policy_loss": "grpo",
         "PolicyLossStats": "grpo",
         "RegularizerStats": "regularizers",

@@ -40,7 +40,13 @@ def one_rank_world():
 
 
 def _source(
-    redis_server, queue_keys, run_dir: Path, mode: str = "async", queue: dict | None = None, **batching
+    redis_server,
+    queue_keys,
+    run_dir: Path,
+    mode: str = "async",
+    queue: dict | None = None,
+    sections: dict | None = None,
+    **batching,
 ) -> StepSource:
     config = build_config(
         {
@@ -49,6 +55,7 @@ def _source(
             "train": {"mode": mode},
             "queue": queue or {},
             "batching": {"groups_per_step": 2, **batching},
+            **(sections or {}),
         }
     )
     consumer = TrajectoryConsumer(connect(redis_server.url, redis_server.password), queue_keys, "l0", 60_000, 1 << 20)
@@ -114,6 +121,22 @@ def test_without_dynamic_sampling_constant_groups_train(
     source = _source(redis_server, queue_keys, tmp_path)
     step = source.next_step(learner_version=4)  # make_group stamps versions 0..4
     assert [g.group_id for g in step.groups] == ["g0", "g1"] and source.dropped_constant == 0
+    source.commit(step, 1)
+
+
+def test_overlong_shaping_reaches_the_advantages_and_not_the_reward_metrics(
+    one_rank_world, redis_server, queue_keys, tmp_path: Path
+) -> None:
+    """`loss.overlong_buffer` 2 under `rollout.max_tokens` 3: responses of 2 and 3 tokens lose 0.5 and 1.0, so a group
+    that earned 1.0 twice now has a signal (the shorter response ahead), while the step's reward stays the task's."""
+    producer = TrajectoryProducer(connect(redis_server.url, redis_server.password), queue_keys, 16, 5.0)
+    producer.push([_constant(make_group([2, 3], seed=i), 1.0) for i in range(2)])
+    sections = {"rollout": {"max_tokens": 3}, "task": {"target_length": 3}, "loss": {"overlong_buffer": 2}}
+    source = _source(redis_server, queue_keys, tmp_path, sections=sections)
+    step = source.next_step(learner_version=4)
+    advantages = {float(a) for mb in step.microbatches for a in mb.advantages[mb.loss_weight > 0]}
+    assert len(advantages) == 2 and min(advantages) < 0 < max(advantages)  # (0.5 - 0.25) / 0.25 and its negative
+    assert source.metrics(step, 4, step_s=1.0)["rollout/reward_mean"] == 1.0
     source.commit(step, 1)
 
 
