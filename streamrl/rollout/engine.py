@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 EXTENSION_CLS = "streamrl.rollout.worker_extension.WeightReloadExtension"
@@ -76,6 +78,13 @@ class Sample:
     text: str = ""
     finish_reason: str = ""  # "stop" (EOS / stop token) or "length"
     routes: Any = None  # with `record_routes`: uint8/16[prompt + tokens - 1, layers, k] experts chosen, at the end
+
+    def input_routes(self, prompt_length: int) -> np.ndarray | None:
+        """The recorded experts when they cover every input position (else None: the group then trains without
+        replay rather than with experts at the wrong positions)."""
+        if self.routes is None or len(self.routes) != prompt_length + len(self.token_ids) - 1:
+            return None
+        return np.asarray(self.routes)
 
 
 class VLLMEngine:

@@ -3,7 +3,8 @@
 `PromptSource` is a `torchdata.nodes.BaseNode` yielding `Prompt`s forever: the built-in `symbols`
 task generates them from (seed, index); a JSONL or Parquet file is replayed epoch after epoch in a
 seeded shuffle. Its state (`epoch`, `index`) round-trips through `state_dict()` / `reset(state)`,
-so a restarted engine continues where it stopped instead of replaying prompts.
+so a restarted engine continues where it stopped instead of replaying prompts. `Prompt.token_ids(tokenizer)` is a
+prompt under the chat template, as the engine feeds it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from streamrl.config import TaskConfig
 class Prompt:
     text: str  # user message; the engine applies the chat template
     answer: str  # reference the reward compares against
+
+    def token_ids(self, tokenizer: Any) -> list[int]:
+        """The prompt as the engine feeds it: one user message under the tokenizer's chat template."""
+        message = [{"role": "user", "content": self.text}]
+        return tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 def load_prompt_file(path: Path, prompt_key: str, answer_key: str) -> list[Prompt]:

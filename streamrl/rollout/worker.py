@@ -44,7 +44,7 @@ import redis
 from streamrl.config import Config
 from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
-from streamrl.queue import QueueKeys, SyncBudget, TrajectoryProducer, connect_for
+from streamrl.queue import QueueKeys, SyncBudget, TrajectoryProducer, connect_for, grant_prompts
 from streamrl.rewards import PendingGroup, RewardPool
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.outbox import Outbox
@@ -138,7 +138,7 @@ class RolloutWorker:
         self._inline = threading.RLock()
         self._stop = threading.Event()
         self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
-        self.tokens_generated = 0
+        self.tokens_generated, self.prompts_too_long = 0, 0
         # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
         # during long runs, so the driver reports it (rollout/engine_start_s: the slowest engine).
         self.start_s = time.perf_counter() - started
@@ -281,12 +281,12 @@ class RolloutWorker:
             if not self._take_prompt_budget(position):
                 break
             prompt = next(self.prompts)
-            message = [{"role": "user", "content": prompt.text}]
-            ids = self.tokenizer.apply_chat_template(
-                message, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            ids = prompt.token_ids(self.tokenizer)
             request_id = group_id(self.engine_id, position)  # the same whenever this prompt is sampled
             self.cursor.taken(request_id, position, self.prompts.get_state())
+            if len(ids) >= rollout.max_model_len:  # no room for one token: vLLM would refuse it, and on every resume
+                self._skip_too_long(request_id, position, len(ids))
+                continue
             self.engine.submit(
                 request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p, detokenize=False
             )
@@ -296,6 +296,14 @@ class RolloutWorker:
             started += 1
         if started and self.gate is not None:
             self.gate.report(self._unpushed())  # the other engines count these at once
+
+    def _skip_too_long(self, request_id: str, position: dict[str, int], length: int) -> None:
+        """Pass over a prompt too long for `rollout.max_model_len`: counted, logged, done (sync: its budget back)."""
+        logger.warning("%s: prompt of %d tokens skipped (rollout.max_model_len)", request_id, length)
+        self.prompts_too_long += 1
+        self.cursor.pushed([request_id])
+        if self.budget is not None and not self.budget.retaking(position):
+            grant_prompts(self.redis, self.keys, self.engine_id, 1)
 
     def _collect(self) -> None:
         """Finished requests are decoded into text off the loop (the engine does not detokenize as it samples),
@@ -334,19 +342,11 @@ class RolloutWorker:
                 np.asarray(s.versions, np.int32),
                 float(reward),
                 s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
-                self._routes(s, len(prompt_ids)),
+                s.input_routes(len(prompt_ids)),
             )
             for s, reward in zip(samples, rewards.tolist(), strict=True)
         ]
         return TrajectoryGroup.from_responses(request_id, self.engine_id, np.asarray(prompt_ids), responses)
-
-    @staticmethod
-    def _routes(sample: Sample, prompt_length: int) -> np.ndarray | None:
-        """The sample's recorded experts when they cover every input position (else None: its group then trains
-        without replay rather than with experts at the wrong positions)."""
-        if sample.routes is None or len(sample.routes) != prompt_length + len(sample.token_ids) - 1:
-            return None
-        return np.asarray(sample.routes)
 
     def _run_tasks(self) -> None:
         while True:
@@ -390,6 +390,7 @@ class RolloutWorker:
         return {
             "rollout/groups_pushed": self.outbox.groups_pushed,
             "rollout/tokens_generated": self.tokens_generated,
+            "rollout/prompts_too_long": self.prompts_too_long,
             "rollout/backpressure_s": self.outbox.backpressure_s,
             "rollout/reward_timeouts": self.rewards.timed_out,
             "rollout/reward_errors": self.rewards.failed,

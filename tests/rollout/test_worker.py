@@ -6,6 +6,7 @@ checks that the thread driving it has the thread count it planned with; a pytest
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import threading
@@ -54,14 +55,13 @@ def _inline_call_then_loop(run_dir: str, redis_url: str, redis_password: str | N
     results.put({**seen, "expected": expected, "loop_ended": not loop.is_alive()})
 
 
-def test_the_loop_does_not_start_while_a_call_drives_vllm_inline(tmp_path: Path, redis_server) -> None:
+def _in_a_worker_process(target: Any, tmp_path: Path, redis_server) -> dict[str, Any]:
+    """Run `target(run_dir, redis_url, redis_password, results)` in a process of one OpenMP thread; its result."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     os.environ["OMP_NUM_THREADS"], saved = "1", os.environ.get("OMP_NUM_THREADS")
     try:
-        process = context.Process(
-            target=_inline_call_then_loop, args=(str(tmp_path), redis_server.url, redis_server.password, results)
-        )
+        process = context.Process(target=target, args=(str(tmp_path), redis_server.url, redis_server.password, results))
         process.start()
     finally:
         if saved is None:
@@ -70,8 +70,45 @@ def test_the_loop_does_not_start_while_a_call_drives_vllm_inline(tmp_path: Path,
             os.environ["OMP_NUM_THREADS"] = saved
     seen = results.get(timeout=300)
     process.join(timeout=60)
+    return seen
+
+
+def test_the_loop_does_not_start_while_a_call_drives_vllm_inline(tmp_path: Path, redis_server) -> None:
+    seen = _in_a_worker_process(_inline_call_then_loop, tmp_path, redis_server)
     assert seen["loop_started_during_the_call"] is False  # the loop waited for the inline call to end
     assert seen["inline"] == seen["expected"]  # the same weights, alone in the batch
     assert seen["loop_running"] and seen["loop_ended"]
     # Batched with the loop's requests: equal within float32 summation order.
     assert seen["on_loop"] == pytest.approx(seen["expected"], abs=1e-5)
+
+
+def _long_prompt_among_short_ones(run_dir: str, redis_url: str, redis_password: str | None, results: Any) -> None:
+    from streamrl.orchestrate.driver import ensure_model
+    from streamrl.rollout.worker import RolloutWorker
+
+    prompts = Path(run_dir) / "prompts.jsonl"
+    rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": "7 " * 2000, "answer": "7"}, {"prompt": "2+2", "answer": "4"}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = ["task.name=math", f"task.prompts_file={prompts}", "rollout.prompts_per_batch=3", "wandb.mode=disabled"]
+    config = tiny_config(Path(run_dir), *overrides, f"run.name=long-{Path(run_dir).name}")
+    ensure_model(config)
+    worker = RolloutWorker(config, 0, redis_url, redis_password)
+    loop = threading.Thread(target=worker.run)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 120
+        while worker.stats()["rollout/groups_pushed"] < 4 and time.monotonic() < deadline:  # past the first epoch
+            time.sleep(0.05)
+        stats = worker.stats()
+    finally:
+        worker.stop()
+        loop.join(timeout=60)
+    results.put({"stats": stats, "ended": not loop.is_alive()})
+
+
+def test_a_prompt_too_long_for_the_engine_is_skipped_and_counted(tmp_path: Path, redis_server) -> None:
+    """A prompt longer than `rollout.max_model_len` (vLLM would refuse it, and again on every restart of the engine)
+    is passed over: counted in `rollout/prompts_too_long`, its group never made, the other prompts go on."""
+    seen = _in_a_worker_process(_long_prompt_among_short_ones, tmp_path, redis_server)
+    assert seen["stats"]["rollout/groups_pushed"] >= 4 and seen["stats"]["rollout/prompts_too_long"] >= 2
+    assert seen["ended"]  # the loop ran on and stopped when asked: the engine was not lost
