@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from streamrl.config import LearnerConfig
 from streamrl.learner.cpu_compat import apply_cpu_compat
-from streamrl.learner.model.gpt import build_model_chunks, is_expert_parameter
+from streamrl.learner.model.gpt import build_model_chunks, is_expert_parameter, model_layout
 from streamrl.learner.model.moe import moe_layers
 from streamrl.learner.parallel import initialize_groups
 
@@ -74,15 +74,7 @@ def _build_stage(hf_config: dict[str, Any], learner: LearnerConfig, stage: int) 
         model_parallel_cuda_manual_seed(0)
         # The host build (no GPU allocation on a GPU machine either), on the meta device: shapes only.
         with mock.patch("torch.cuda.is_available", return_value=False), torch.device("meta"):
-            chunks = build_model_chunks(
-                hf_config,
-                torch.bfloat16,
-                learner.last_stage_layers,
-                learner.recompute,
-                learner.recompute_num_layers,
-                learner.first_stage_layers,
-                recompute_method=learner.recompute_method,
-            )
+            chunks = build_model_chunks(hf_config, torch.bfloat16, **model_layout(learner))
         dense = experts = layers = 0
         for chunk in chunks:
             layers += len(chunk.decoder.layers)

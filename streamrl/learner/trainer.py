@@ -31,7 +31,7 @@ from streamrl.config import Config
 from streamrl.learner.context_parallel import padded_cu_seqlens, shard_microbatch, zigzag_columns
 from streamrl.learner.hf.convert import load_hf_weights
 from streamrl.learner.lr_schedule import learning_rate
-from streamrl.learner.model.gpt import build_model_chunks
+from streamrl.learner.model.gpt import build_model_chunks, model_layout
 from streamrl.learner.model.logprobs import score_as_sampled
 from streamrl.learner.model.moe import num_experts
 from streamrl.learner.model.router_stats import RouterLoad
@@ -61,16 +61,7 @@ class Trainer:
             raise ValueError("loss.kl_coef: the KL reference needs the model's weights (model.path)")
         self.config, self.hf_config = config, hf_config
         learner = config.learner
-        self.chunks = build_model_chunks(
-            hf_config,
-            DTYPES[learner.params_dtype],
-            learner.last_stage_layers,
-            learner.recompute,
-            learner.recompute_num_layers,
-            learner.first_stage_layers,
-            learner.moe_dispatcher,
-            learner.recompute_method,
-        )
+        self.chunks = build_model_chunks(hf_config, DTYPES[learner.params_dtype], **model_layout(learner))
         for chunk in self.chunks if hf_state is not None else []:
             load_hf_weights(chunk, hf_state, hf_config)
         score_as_sampled(self.chunks, config.rollout.temperature, config.rollout.top_p)

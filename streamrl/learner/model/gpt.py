@@ -131,6 +131,18 @@ def _recompute_fields(recompute: str, recompute_num_layers: int, recompute_metho
     raise ValueError(f"learner.recompute: expected none, selective or full, got {recompute!r}")
 
 
+def model_layout(learner: Any) -> dict[str, Any]:
+    """`transformer_config`'s layout keywords from a `learner.*` config (`streamrl.config.LearnerConfig`)."""
+    return {
+        "last_stage_layers": learner.last_stage_layers,
+        "recompute": learner.recompute,
+        "recompute_num_layers": learner.recompute_num_layers,
+        "first_stage_layers": learner.first_stage_layers,
+        "moe_dispatcher": learner.moe_dispatcher,
+        "recompute_method": learner.recompute_method,
+    }
+
+
 def transformer_config(
     hf_config: dict[str, Any],
     params_dtype: torch.dtype = torch.float32,
@@ -270,55 +282,23 @@ class _GPTModel(GPTModel):
 
 
 def build_model_chunks(
-    hf_config: dict[str, Any],
-    params_dtype: torch.dtype = torch.float32,
-    last_stage_layers: int | None = None,
-    recompute: str = "none",
-    recompute_num_layers: int = 1,
-    first_stage_layers: int | None = None,
-    moe_dispatcher: str = "alltoall",
-    recompute_method: str = "uniform",
+    hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32, **layout: Any
 ) -> list[GPTModel]:
-    """This rank's model chunks, in virtual-stage order (one without virtual stages); see the module docstring."""
+    """This rank's model chunks, in virtual-stage order (one without virtual stages); `layout`: `transformer_config`'s
+    keywords (stage layers, recomputation, MoE dispatcher). See the module docstring."""
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     return [
-        build_gpt_model(
-            hf_config,
-            params_dtype,
-            stage,
-            last_stage_layers,
-            recompute,
-            recompute_num_layers,
-            first_stage_layers,
-            moe_dispatcher,
-            recompute_method,
-        )
+        build_gpt_model(hf_config, params_dtype, stage, **layout)
         for stage in ([None] if virtual is None else range(virtual))
     ]
 
 
 def build_gpt_model(
-    hf_config: dict[str, Any],
-    params_dtype: torch.dtype = torch.float32,
-    vp_stage: int | None = None,
-    last_stage_layers: int | None = None,
-    recompute: str = "none",
-    recompute_num_layers: int = 1,
-    first_stage_layers: int | None = None,
-    moe_dispatcher: str = "alltoall",
-    recompute_method: str = "uniform",
+    hf_config: dict[str, Any], params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None, **layout: Any
 ) -> GPTModel:
-    """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`; see the module docstring."""
-    config = transformer_config(
-        hf_config,
-        params_dtype,
-        last_stage_layers,
-        recompute,
-        recompute_num_layers,
-        first_stage_layers,
-        moe_dispatcher,
-        recompute_method,
-    )
+    """Build one (randomly initialised) Megatron GPTModel chunk for `hf_config`, `layout` as `transformer_config`
+    takes it; see the module docstring."""
+    config = transformer_config(hf_config, params_dtype, **layout)
     if config.multi_latent_attention:
         allow_mla_without_transformer_engine()
     use_fused_paths()
