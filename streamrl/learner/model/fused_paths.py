@@ -9,9 +9,11 @@ in megatron-core 0.16.1, the unfused code that Transformer Engine's fusions woul
   sorted by token (every token has exactly k rows, dropless top-k), unpermute is
   `permuted[order].view(T, k, H).sum(1)` (summed in fp32, rounded once, instead of k bf16 roundings) and the
   permute's backward is the same sum of the gradient rows; no atomics, deterministic. The result equals
-  Megatron's up to the order of the k-term sum. Anything else (token dropping / padding, fused TE kernels, and the
-  "allgather" dispatcher, whose rows are a token's *local* experts only: 0 to k of them, so a row count that happens
-  to be a multiple of the token count proves nothing) goes to Megatron's own functions.
+  Megatron's up to the order of the k-term sum. Only calls from inside the alltoall dispatcher's
+  `dispatch_preprocess` / `combine_postprocess` (or `gather_paths()`), where every token has k rows by construction,
+  take these paths; anything else (token dropping / padding, fused TE kernels, the "allgather" dispatcher, whose rows
+  are a token's *local* experts only: 0 to k of them, so a row count that happens to be a multiple of the token count
+  proves nothing) goes to Megatron's own functions.
 - `sort_chunks_by_idxs` (re-sorting the received chunks by local expert) is an identity when the chunk order is
   already sorted (expert- and tensor-parallel size 1); Megatron still splits and `cat`s every token then. That
   case returns its inputs unchanged.
@@ -27,8 +29,9 @@ in megatron-core 0.16.1, the unfused code that Transformer Engine's fusions woul
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -93,27 +96,34 @@ class _SumCopies(torch.autograd.Function):
         return grad.index_select(0, sorted_indices), None, None
 
 
-_megatron_permutation = 0  # > 0 while the allgather dispatcher permutes: Megatron's own functions then
+_gather_paths = 0  # > 0 inside the alltoall dispatcher's permuting methods: the only place the gather paths apply
 
 
 def _gathers_apply(tokens: int, num_out_tokens: int | None, fused: bool, drop_and_pad: bool) -> bool:
     # Dropless top-k through the alltoall dispatcher: every token has exactly num_out_tokens / tokens rows.
-    if _megatron_permutation or fused or drop_and_pad:
+    if not _gather_paths or fused or drop_and_pad:
         return False
     return tokens > 0 and bool(num_out_tokens) and num_out_tokens % tokens == 0
 
 
-def _with_megatron_permutation(method: Callable[..., Any]) -> Callable[..., Any]:
-    """`method` of the allgather dispatcher, with `permute` / `unpermute` left to Megatron's own code."""
+@contextlib.contextmanager
+def gather_paths() -> Iterator[None]:
+    """Within it, `permute` / `unpermute` take the gather paths where they apply (the alltoall dispatcher's rows)."""
+    global _gather_paths
+    _gather_paths += 1
+    try:
+        yield
+    finally:
+        _gather_paths -= 1
+
+
+def _with_gather_paths(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` of the alltoall dispatcher, run within `gather_paths()`."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        global _megatron_permutation
-        _megatron_permutation += 1
-        try:
+        with gather_paths():
             return method(*args, **kwargs)
-        finally:
-            _megatron_permutation -= 1
 
     return wrapper
 
@@ -218,11 +228,11 @@ def _rotary_thd(
 def use_fused_paths() -> None:
     """Install the replacements above into megatron-core's modules (see the module docstring)."""
     token_dispatcher.permute, token_dispatcher.unpermute = permute, unpermute
-    allgather = token_dispatcher.MoEAllGatherTokenDispatcher
-    for name in ("dispatch_postprocess", "combine_preprocess"):
-        method = getattr(allgather, name)
+    alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
+    for name in ("dispatch_preprocess", "combine_postprocess"):  # where it calls permute / unpermute
+        method = getattr(alltoall, name)
         if not hasattr(method, "__wrapped__"):  # idempotent
-            setattr(allgather, name, _with_megatron_permutation(method))
+            setattr(alltoall, name, _with_gather_paths(method))
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
     rope_utils._apply_rotary_pos_emb_bshd = _rotary_bshd
     rope_utils._apply_rotary_pos_emb_thd = _rotary_thd

@@ -3,6 +3,7 @@ Megatron's own, forward and backward."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -41,20 +42,36 @@ def test_permutation_matches_megatron() -> None:
     routing = _routing(T, E, k)
     weights = torch.randn(T * k, H)
     results = []
-    for permute, unpermute in (
-        (fused_paths.permute, fused_paths.unpermute),
-        (_originals["permute"], _originals["unpermute"]),
+    for permute, unpermute, paths in (
+        (fused_paths.permute, fused_paths.unpermute, fused_paths.gather_paths()),
+        (_originals["permute"], _originals["unpermute"], contextlib.nullcontext()),
     ):
         tokens = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).requires_grad_()
         probs = torch.rand(T, E, generator=torch.Generator().manual_seed(2)).requires_grad_()
-        permuted, sorted_indices, out = _permute_unpermute(permute, unpermute, tokens, routing, probs, weights)
+        with paths:
+            permuted, sorted_indices, out = _permute_unpermute(permute, unpermute, tokens, routing, probs, weights)
         cotangent = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
         out.backward(cotangent)
         results.append((permuted, sorted_indices, out, tokens.grad, probs.grad))
+    assert "CopyToExperts" in type(results[0][0].grad_fn).__name__  # ours took the gather path
     for ours, megatron in zip(*results, strict=True):
         assert ours.shape == megatron.shape
         torch.testing.assert_close(ours, megatron, rtol=1e-5, atol=1e-6)
     assert results[0][3].abs().sum() > 0 and results[0][4].abs().sum() > 0  # gradients really flowed
+
+
+def test_gather_paths_only_inside_the_alltoall_dispatcher() -> None:
+    """Outside the alltoall dispatcher's two permuting methods (the allgather dispatcher's local rows, say), permute
+    is Megatron's own even where the row count is a multiple of the token count."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    fused_paths.use_fused_paths()
+    for name in ("dispatch_preprocess", "combine_postprocess"):
+        assert hasattr(getattr(MoEAlltoAllTokenDispatcher, name), "__wrapped__"), name
+    routing = _routing(8, 4, 2)
+    tokens = torch.randn(8, 3, requires_grad=True)
+    permuted, _, _ = fused_paths.permute(tokens, routing, num_out_tokens=16)
+    assert "CopyToExperts" not in type(permuted.grad_fn).__name__
 
 
 def test_identity_chunk_sort_returns_its_inputs() -> None:
