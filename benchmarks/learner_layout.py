@@ -33,11 +33,15 @@ import torch.multiprocessing as mp
 GB = 1e9
 
 
+def _meminfo_bytes(key: str) -> float:
+    """One field of /proc/meminfo (the node's memory), in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(fields[key].split()[0]) * 1024.0
+
+
 def _host_used() -> float:
     """Bytes of the node's memory in use (MemTotal - MemAvailable)."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    kib = lambda key: int(fields[key].split()[0])  # noqa: E731
-    return (kib("MemTotal") - kib("MemAvailable")) * 1024.0
+    return _meminfo_bytes("MemTotal") - _meminfo_bytes("MemAvailable")
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
@@ -161,6 +165,7 @@ def main() -> None:
     from streamrl.net import free_port
     from streamrl.orchestrate import model_architecture
     from streamrl.plan import plan_memory
+    from streamrl.plan.memory import HOST_USABLE
 
     config = load_config(args.config, args.overrides)
     args.groups = args.groups or config.batching.groups_per_step  # the preset's own step unless told otherwise
@@ -172,6 +177,15 @@ def main() -> None:
     world = config.learner.world_size
     if cuda and torch.cuda.device_count() < world:
         raise SystemExit(f"the layout's learner needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    # The learner's own host memory on this node: its ranks' offloaded optimizer state and loading buffers. Refused
+    # before start-up when over the plan's usable share: running out of host memory kills the ranks without a trace.
+    host_planned = max(s.host for s in plan.learner) * min(world, config.cluster.gpus_per_node or world)
+    node_memory = _meminfo_bytes("MemTotal")
+    if host_planned > HOST_USABLE * node_memory:
+        raise SystemExit(
+            f"the learner plans {host_planned / GB:.0f} GB of host memory, over {HOST_USABLE:.0%} of this node's "
+            f"{node_memory / GB:.0f} GB: lower optimizer.offload_fraction"
+        )
     out = args.out or Path(f"benchmarks/results/learner_layout_{config.run.name}_{config.cluster.gpus}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     before, peak_host = _host_used(), [0.0]
@@ -187,8 +201,6 @@ def main() -> None:
     mp.spawn(_rank, args=(args, free_port(), out.parent), nprocs=world, join=True)
     stop.set()
     measured = json.loads((out.parent / "rank0.json").read_text())
-    # The learner's own host memory on this node: its ranks' offloaded optimizer state and loading buffers.
-    host_planned = max(s.host for s in plan.learner) * min(world, config.cluster.gpus_per_node or world)
     result = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
         "gpus": world,

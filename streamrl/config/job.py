@@ -169,6 +169,12 @@ class ClusterConfig(_Section):
     gpu_memory_gb: float = Field(
         80.0, gt=0, description="Memory of one GPU in GB (10^9 bytes), for `streamrl plan` (H100 80, H20 96, H200 141)."
     )
+    host_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of one node in GB, for `streamrl plan`'s host check (the offloaded optimizer state, parked "
+        "tensors); unset: the host is planned but not checked.",
+    )
     nodes: int = Field(
         1, ge=1, description="Nodes the job spans; > 1 needs a Redis every node reaches and cluster.shared_dir."
     )

@@ -3,8 +3,8 @@
 Contract: `plan_memory(config, hf_config, gpu_memory_gb)` returns a `MemoryPlan`: one `LearnerStage` per distinct
 pipeline stage (one rank's parameters from `streamrl.learner.stage_shapes`: the code that builds the learner), the
 engine's share of one GPU, the peak of each GPU kind and the host memory of the fullest node.
-`MemoryPlan.largest_overflow()` names the largest term of a GPU that does not fit `gpu_memory_gb`, or is None. GB are
-10^9 bytes.
+`MemoryPlan.largest_overflow()` names the largest term of a GPU that does not fit `gpu_memory_gb`, or a node's host
+memory over `HOST_USABLE` of `cluster.host_memory_gb` (when set), or is None. GB are 10^9 bytes.
 
 What each term assumes (Megatron's mixed-precision distributed optimizer, as `streamrl.learner.optimizer` builds it):
 - parameters in `learner.params_dtype`; gradients in float32 (`optimizer.grad_reduce_in_fp32` or float32 params),
@@ -64,6 +64,10 @@ from streamrl.learner import (
 GB = 1e9
 RUNTIME_BYTES = 3e9
 HOST_PROCESS_BYTES = 12e9  # one learner rank's process on the host, beyond what the terms count
+# The share of a node's memory the plan may fill: the kernel, the page cache, Ray and the allocators need the rest, and
+# measured host use grew ~10 % faster with the offload fraction than the planned 16 bytes per parameter (4 ranks of
+# Qwen3-30B-A3B, offload 0.5 -> 0.75: +135 GB against +122 GB planned; at 1.0 the 512 GiB node ran out).
+HOST_USABLE = 0.9
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -87,6 +91,7 @@ class MemoryPlan:
     learner: list[LearnerStage]
     engine: dict[str, float]  # bytes on one engine GPU: weights, staging, kv cache, runtime
     host_per_node: float
+    host_memory: float | None = None  # one node's, when known
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -98,10 +103,16 @@ class MemoryPlan:
         return max([stage.total for stage in self.learner] + [self.engine_total])
 
     def largest_overflow(self) -> str | None:
-        """'<gpu>: <term> <GB>' for the largest term of the fullest GPU that does not fit, else None."""
+        """'<gpu> needs ...; its largest term is ...' for the fullest GPU that does not fit, else the host's shortfall
+        when the node's memory is known, else None."""
         gpus = [(f"learner stage {s.stages[0]}", s.terms) for s in self.learner] + [("engine", self.engine)]
         over = [(sum(terms.values()), name, terms) for name, terms in gpus if sum(terms.values()) > self.gpu_memory]
         if not over:
+            if self.host_memory is not None and self.host_per_node > HOST_USABLE * self.host_memory:
+                return (
+                    f"the host of a node needs {self.host_per_node / GB:.0f} GB of {self.host_memory / GB:.0f} GB "
+                    f"(at most {HOST_USABLE:.0%} planned; lower optimizer.offload_fraction or add nodes)"
+                )
             return None
         total, name, terms = max(over)
         term = max(terms, key=terms.get)
@@ -250,7 +261,8 @@ def plan_memory(config: Config, hf_config: dict[str, Any], gpu_memory_gb: float)
         notes.append("colocated: a GPU's peak is the larger of the training and the generation phase")
     else:
         host = min(per_node, config.learner.world_size) * max(s.host for s in learner)
-    return MemoryPlan(gpu_memory_gb * GB, config.colocated, learner, engine, host, notes)
+    node = cluster.host_memory_gb * GB if cluster.host_memory_gb else None
+    return MemoryPlan(gpu_memory_gb * GB, config.colocated, learner, engine, host, node, notes)
 
 
 def format_plan(plan: MemoryPlan, title: str) -> str:
@@ -278,7 +290,9 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
     lines.append(
         f"peak GPU {plan.peak() / GB:.1f} GB of {plan.gpu_memory / GB:.0f} GB"
         + (" (colocated: the larger phase)" if plan.colocated else "")
-        + f"; host per node {plan.host_per_node / GB:.0f} GB (offloaded optimizer state, parked tensors, loading)"
+        + f"; host per node {plan.host_per_node / GB:.0f} GB"
+        + (f" of {plan.host_memory / GB:.0f} GB" if plan.host_memory else "")
+        + " (offloaded optimizer state, parked tensors, loading)"
     )
     lines.append("fits" if fits is None else f"does not fit: {fits}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """`streamrl plan`: every shipped row fits its GPUs, terms follow the stated assumptions, DeepSeek-V3 at 96 GPUs lands
-near the measured 66 GB per GPU and 1,500 GB per node, and a layout that does not fit exits non-zero naming its
-largest term."""
+near the measured 66 GB per GPU and 1,500 GB per node, and a layout that does not fit (a GPU, or a node's host memory
+when known) exits non-zero naming its largest term."""
 
 import json
 import time
@@ -12,7 +12,7 @@ from streamrl.cli import main
 from streamrl.config import load_config
 from streamrl.learner import stage_parameters
 from streamrl.plan import plan_memory
-from streamrl.plan.memory import GB, HOST_PROCESS_BYTES, RUNTIME_BYTES
+from streamrl.plan.memory import GB, HOST_PROCESS_BYTES, HOST_USABLE, RUNTIME_BYTES
 from tests.config.test_layouts import ROWS
 
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -90,6 +90,22 @@ def test_a_layout_that_does_not_fit_names_its_largest_term(capsys: pytest.Captur
     assert last.startswith("does not fit: learner stage 0 needs") and "largest term is optimizer" in last
     assert main([*args[:4], "--gpu-memory", "200GB"]) == 0  # the same layout on 200 GB GPUs
     assert main([*args[:4], "--gpu-memory", "180GiB"]) == 0  # 193 GB
+
+
+def test_a_node_whose_host_memory_is_too_small_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """With `cluster.host_memory_gb` set, the node's planned host memory must stay under HOST_USABLE of it: Qwen3-30B
+    -A3B with all its optimizer state on the host of a 512 GiB node (the measured case that ran out) does not fit."""
+    args = ["plan", "-c", str(CONFIGS / "qwen3-30b-a3b.yaml"), "cluster.gpus=4", "--gpu-memory", "141"]
+    config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", ["cluster.gpus=4", "optimizer.offload_fraction=1.0"])
+    host = plan_memory(config, config.model.architecture, 141).host_per_node
+    assert main([*args, "optimizer.offload_fraction=1.0", "cluster.host_memory_gb=549.8"]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"does not fit: the host of a node needs {host / GB:.0f} GB of 550 GB"), last
+    assert host > HOST_USABLE * 549.8e9
+    assert main([*args, "optimizer.offload_fraction=1.0", f"cluster.host_memory_gb={host / GB / HOST_USABLE + 1}"]) == 0
+    out = capsys.readouterr().out
+    assert f"host per node {host / GB:.0f} GB of" in out and out.splitlines()[-1] == "fits"
+    assert main([*args, "optimizer.offload_fraction=1.0"]) == 0  # the node's memory unknown: planned, not checked
 
 
 def test_plan_answers_bad_input_with_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
