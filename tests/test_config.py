@@ -37,6 +37,8 @@ def test_regularizer_coefficients_are_validated() -> None:
 def test_cross_field_check_names_key() -> None:
     with pytest.raises(ConfigError, match=r"task\.target_length"):
         build_config({**BASE, "task": {"target_length": 50}, "rollout": {"max_tokens": 10}})
+    with pytest.raises(ConfigError, match=r"task\.exact_lengths: only for the symbols task's own prompts"):
+        build_config({**BASE, "task": {"exact_lengths": True, "prompts_file": "p.jsonl"}})
     with pytest.raises(ConfigError, match=r"task\.prompts_file"):
         build_config({**BASE, "task": {"name": "math"}})
     with pytest.raises(ConfigError, match=r"queue\.url"):

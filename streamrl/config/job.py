@@ -66,6 +66,12 @@ class TaskConfig(_Section):
         0.0, ge=0.0, le=1.0, description="symbols: share of prompts asking for long_factor x target_length copies."
     )
     long_factor: int = Field(8, ge=1, description="symbols: how much longer a long prompt's target is.")
+    exact_lengths: bool = Field(
+        False,
+        description="symbols: every response is exactly its prompt's target in tokens (long prompts long_factor times "
+        "longer), the end-of-sequence token ignored: the long-tail lengths a task gives a trained model, for "
+        "benchmarks on random weights (whose lengths follow their end-of-sequence probability, not the task).",
+    )
     reward: str | None = Field(
         None,
         description="A user's reward function, 'package.module:function' or 'file.py:function': (prompt, response, "

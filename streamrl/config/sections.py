@@ -53,6 +53,8 @@ class Config(_Section):
             raise ValueError(
                 f"task.target_length: {task.target_length} exceeds rollout.max_tokens {self.rollout.max_tokens}"
             )
+        if task.exact_lengths and (task.name != "symbols" or task.prompts_file is not None):
+            raise ValueError("task.exact_lengths: only for the symbols task's own prompts (no task.prompts_file)")
         if task.long_fraction > 0 and task.target_length * task.long_factor > self.rollout.max_tokens:
             raise ValueError(
                 f"task.long_factor: long prompts ask for {task.target_length * task.long_factor} tokens, more than "

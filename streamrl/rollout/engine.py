@@ -25,8 +25,8 @@ Contract
 - An engine of several GPUs (`tensor_parallel` > 1, experts split over them with `expert_parallel`) runs vLLM's
   multiprocess executor, one worker process per GPU (the engine core stays in this process), or with `executor="ray"`
   vLLM's Ray executor, one Ray actor per GPU in the placement group this process runs in (which may span nodes:
-  `streamrl.orchestrate.placement`). Tensors cannot pass by
-  reference to those workers, so each worker joins the weight groups itself (`join_weight_groups`) and
+  `streamrl.orchestrate.placement`). Tensors cannot pass by reference to those workers, so each worker joins the
+  weight groups itself (`join_weight_groups`) and
   `receive_version()` has every worker receive and load the next version bucket by bucket, resharded by vLLM's own
   loaders (`worker_receiver.py`); decoding pauses for the call. `workers` is the number of worker processes.
 - `engine_process`: vLLM's engine core runs in a process of its own (scheduling and the model step there in a busy
@@ -176,15 +176,17 @@ class VLLMEngine:
         top_p: float = 1.0,
         seed: int | None = None,
         detokenize: bool = True,
+        exact_length: int | None = None,
     ) -> None:
-        """Queue one prompt for `n` samples; they come back from `pop_finished()` under `request_id`. Without
-        `detokenize`, vLLM does not build the text as it samples (`Sample.text` stays empty: the caller decodes)."""
+        """Queue one prompt for `n` samples of up to `max_tokens` (of exactly `exact_length`, EOS ignored); they come
+        back from `pop_finished()` under `request_id`. Without `detokenize`, vLLM builds no text as it samples."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
             n=n,
-            max_tokens=max_tokens,
+            max_tokens=exact_length or max_tokens,
+            ignore_eos=exact_length is not None,
             temperature=temperature,
             top_p=top_p,
             seed=seed,

@@ -24,6 +24,7 @@ from streamrl.config import TaskConfig
 class Prompt:
     text: str  # user message; the engine applies the chat template
     answer: str  # reference the reward compares against
+    exact_length: int | None = None  # tokens of each response, end-of-sequence ignored (`task.exact_lengths`)
 
     def token_ids(self, tokenizer: Any) -> list[int]:
         """The prompt as the engine feeds it: one user message under the tokenizer's chat template."""
@@ -99,8 +100,8 @@ class PromptSource(BaseNode[Prompt]):
         self.index += 1
         if task.long_fraction and rng.random() < task.long_fraction:
             target = task.target_length * task.long_factor
-            return Prompt(f"repeat {symbol * 4} x{target}", f"{symbol}{target}")
-        return Prompt(f"repeat {symbol * 4}", symbol)
+            return Prompt(f"repeat {symbol * 4} x{target}", f"{symbol}{target}", target if task.exact_lengths else None)
+        return Prompt(f"repeat {symbol * 4}", symbol, task.target_length if task.exact_lengths else None)
 
     def get_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index}

@@ -114,18 +114,9 @@ class RolloutWorker:
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
         # Async mode: start only groups that will be trained within queue.max_staleness (places reserved at the gate
         # every _GATE_S).
-        self.gate = (
-            StalenessGate(
-                self.redis,
-                self.keys,
-                self.engine_id,
-                config.queue.max_staleness,
-                config.batching.groups_per_step,
-                config.train.publish_every,
-            )
-            if config.queue.staleness_gate and config.train.mode == "async"
-            else None
-        )
+        bounds = (config.queue.max_staleness, config.batching.groups_per_step, config.train.publish_every)
+        gated = config.queue.staleness_gate and config.train.mode == "async"
+        self.gate = StalenessGate(self.redis, self.keys, self.engine_id, *bounds) if gated else None
         self._gate_room, self._gate_next = 0, 0.0
         # Sync mode: the prompts this engine may still start for the step, in Redis (`streamrl.queue.sync_budget`); a
         # refused take is retried at most every _GATE_S.
@@ -288,7 +279,14 @@ class RolloutWorker:
                 self._skip_too_long(request_id, position, len(ids))
                 continue
             self.engine.submit(
-                request_id, ids, rollout.n, rollout.max_tokens, rollout.temperature, rollout.top_p, detokenize=False
+                request_id,
+                ids,
+                rollout.n,
+                rollout.max_tokens,
+                rollout.temperature,
+                rollout.top_p,
+                detokenize=False,
+                exact_length=prompt.exact_length,
             )
             self._in_flight[request_id] = (prompt, ids)
             if self.gate is not None:

@@ -65,6 +65,16 @@ def test_generate_shapes_and_logprobs(vllm_engine: VLLMEngine, tiny_model_dir: P
             assert sample.versions == [vllm_engine.policy_version] * len(sample.token_ids)
 
 
+def test_an_exact_length_ignores_the_end_of_sequence(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
+    """`exact_length` (task.exact_lengths): every sample that many tokens (vLLM's ignore_eos), beyond `max_tokens`."""
+    prompt = _encode(tiny_model_dir, "<|im_start|>user\nrepeat #<|im_end|>\n<|im_start|>assistant\n")
+    vllm_engine.submit("exact", prompt, n=4, max_tokens=8, seed=3, exact_length=40)
+    while vllm_engine.has_unfinished():
+        vllm_engine.step()
+    (samples,) = vllm_engine.pop_finished(["exact"]).values()
+    assert [len(s.token_ids) for s in samples] == [40] * 4 and {s.finish_reason for s in samples} == {"length"}
+
+
 def test_load_weights_matches_hf_logprobs(vllm_engine: VLLMEngine, seed1_model_dir: Path) -> None:
     prompt = _encode(seed1_model_dir, "<|im_start|>user\nadd 12 and 30<|im_end|>\n<|im_start|>assistant\n")
     response = _encode(seed1_model_dir, "the answer is 42.") + [4]  # end with <|im_end|> (eos)

@@ -61,3 +61,12 @@ def test_long_tail_symbols_prompts_name_their_target() -> None:
     assert all(p.answer == p.answer[0] + "96" and p.text.endswith(" x96") for p in long)
     short = [p for p in prompts if len(p.answer) == 1]
     assert all(p.text == f"repeat {p.answer * 4}" for p in short)
+    assert all(p.exact_length is None for p in prompts)  # responses end where the model ends them
+
+
+def test_exact_lengths_give_each_prompt_its_target_in_tokens() -> None:
+    task = TaskConfig(long_fraction=0.25, long_factor=8, target_length=12, exact_lengths=True)
+    source = PromptSource(task, seed=1)
+    prompts = [next(source) for _ in range(200)]
+    assert {p.exact_length for p in prompts if len(p.answer) > 1} == {96}
+    assert {p.exact_length for p in prompts if len(p.answer) == 1} == {12}
