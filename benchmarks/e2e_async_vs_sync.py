@@ -18,7 +18,9 @@ The async backlog is
 `staleness + 1` steps of groups, everything the staleness gate lets into the system (the gate, not the backlog,
 keeps the lag of consumed groups within the bound; a smaller backlog would keep finished groups out of the stream
 while the learner waits for them); sync holds one step. Each arrangement starts from an empty
-`run.dir/<mode>-<staleness>`.
+`run.dir/<mode>-<staleness>`. On random weights a response's length follows the model's end-of-sequence probability,
+not the task: `task.exact_lengths=true` gives each response its prompt's target in tokens (the long prompts
+`task.long_factor` times longer), the long tail for which a synchronous step waits on its longest responses.
 
 Prints a table and writes `benchmarks/results/e2e_async_vs_sync.json` (or `--out`). On CPU (no nvidia-smi) the GPU
 columns stay empty.
