@@ -177,11 +177,12 @@ def main() -> None:
     world = config.learner.world_size
     if cuda and torch.cuda.device_count() < world:
         raise SystemExit(f"the layout's learner needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    # The learner's own host memory on this node: its ranks' offloaded optimizer state and loading buffers. Refused
-    # before start-up when over the plan's usable share: running out of host memory kills the ranks without a trace.
+    # The learner's own host memory on this node: its ranks' offloaded optimizer state and loading buffers. On GPUs a
+    # run over the plan's usable share is refused before start-up: running out of host memory kills the ranks without
+    # a trace. (Not on CPU: the plan's 12 GB a rank is a GPU process's, and a CPU rank's model is small.)
     host_planned = max(s.host for s in plan.learner) * min(world, config.cluster.gpus_per_node or world)
     node_memory = _meminfo_bytes("MemTotal")
-    if host_planned > HOST_USABLE * node_memory:
+    if cuda and host_planned > HOST_USABLE * node_memory:
         raise SystemExit(
             f"the learner plans {host_planned / GB:.0f} GB of host memory, over {HOST_USABLE:.0%} of this node's "
             f"{node_memory / GB:.0f} GB: lower optimizer.offload_fraction"
