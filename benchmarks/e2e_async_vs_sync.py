@@ -117,6 +117,8 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
         )
         / steady_s,
         "policy_lag_mean": mean("queue/policy_lag_mean"),
+        "response_length_mean": mean("rollout/response_length_mean"),
+        "response_length_max": mean("rollout/response_length_max"),  # a step's longest response, on average
         "dropped_stale": history[-1]["queue/dropped_stale"],
         "first_step_s": history[0]["perf/iteration_s"],
         "step_s": mean("perf/step_time_s"),
@@ -219,17 +221,20 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     sync = max(synced) if synced else None
     print(
         "| mode | staleness | wall s | first step s | gen tok/s | trained tok/s | vs best sync | engine GPU busy | "
-        "learner GPU busy | lag | drops | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample | "
-        "reward at equal versions |"
+        "learner GPU busy | lag | drops | response len mean / max | sync gen wait s | step s | wait s | fwd+bwd s | "
+        "publish s | reward/sample | reward at equal versions |"
     )
-    print("|" + "---|" * 18)
+    print("|" + "---|" * 19)
     for r in runs:
         busy = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("engine_gpu_busy", "learner_gpu_busy")]
+        lengths = "-"  # runs measured before the lengths were reported have none
+        if "response_length_max" in r:
+            lengths = f"{r['response_length_mean']:.0f} / {r['response_length_max']:.0f}"
         ratio = "-" if sync is None else f"{r['steady_trained_tokens_per_s'] / sync:.2f}"
         print(
             f"| {r['mode']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['first_step_s']:.1f} | "
             f"{r['steady_generated_tokens_per_s']:.0f} | {r['steady_trained_tokens_per_s']:.0f} | {ratio} | "
-            f"{busy[0]} | {busy[1]} | {r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | "
+            f"{busy[0]} | {busy[1]} | {r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | {lengths} | "
             f"{r['generate_wait_s']:.3f} | {r['step_s']:.3f} | {r['wait_s']:.3f} | "
             f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} | "
             f"{r['reward_at_equal_versions']:.3f} |"

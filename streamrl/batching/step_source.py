@@ -203,6 +203,7 @@ class StepSource:
         return self._token_metrics(step, learner_version) | {
             "rollout/reward_mean": float(np.mean(np.concatenate([g.rewards for g in step.groups]))),
             "rollout/response_length_mean": float(np.mean(lengths)),
+            "rollout/response_length_max": float(max(lengths)),  # the tail a synchronous step waits for
             "perf/step_time_s": step_s,
             "perf/tokens_per_s": sum(g.num_tokens for g in step.groups) / step_s,
             "queue/policy_lag_mean": sum(lags) / len(lags),
