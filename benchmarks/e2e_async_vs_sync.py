@@ -131,6 +131,8 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
         "engine_wake_s": mean("perf/engine_wake_s"),
         "reward_per_sample": statistics.fmean(rewards),
         "reward_last_quarter": statistics.fmean(rewards[-quarter:]),
+        # Adam's eps compares with a parameter's gradient, so a late-phase norm over sqrt(parameters) sizes it.
+        "grad_norm_last_quarter": statistics.fmean(row["train/grad_norm"] for row in history[-quarter:]),
         "reward_by_version": [[v, r] for v, r in zip(versions, rewards, strict=True)],
         "placement": placement,
     }
