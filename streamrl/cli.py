@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         type=_gigabytes,
         help="one GPU's memory: 96GB, 80GiB or GB as a number (default: cluster.gpu_memory_gb)",
     )
+    plan.add_argument(
+        "--host-memory",
+        type=_gigabytes,
+        help="one node's memory, checked against the host plan: 2TiB, 1500GB or GB (default: cluster.host_memory_gb)",
+    )
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.gpus=96")
     status = sub.add_parser("status", help="print a job's progress and, while it runs, its health")
     status.add_argument("run_dir", type=Path, help="the job's run directory (run.dir)")
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         verbose = ["run.verbose=true"] if getattr(args, "verbose", False) else []
-        config = load_config(args.config, args.overrides + extra + verbose)
+        host = [f"cluster.host_memory_gb={args.host_memory}"] if getattr(args, "host_memory", None) else []
+        config = load_config(args.config, args.overrides + extra + verbose + host)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"streamrl: config error: {exc}", file=sys.stderr)
         return 2
@@ -112,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _gigabytes(text: str) -> float:
-    """GB (10^9 bytes) of `96GB`, `80GiB` or a bare number of GB."""
-    units = {"gib": 2**30 / 1e9, "gb": 1.0, "": 1.0}
+    """GB (10^9 bytes) of `96GB`, `80GiB`, `2TiB` or a bare number of GB."""
+    units = {"tib": 2**40 / 1e9, "gib": 2**30 / 1e9, "tb": 1e3, "gb": 1.0, "": 1.0}
     number = text.strip().lower()
     unit = next(u for u in units if number.endswith(u))
     try:

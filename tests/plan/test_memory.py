@@ -98,11 +98,12 @@ def test_a_node_whose_host_memory_is_too_small_does_not_fit(capsys: pytest.Captu
     args = ["plan", "-c", str(CONFIGS / "qwen3-30b-a3b.yaml"), "cluster.gpus=4", "--gpu-memory", "141"]
     config = load_config(CONFIGS / "qwen3-30b-a3b.yaml", ["cluster.gpus=4", "optimizer.offload_fraction=1.0"])
     host = plan_memory(config, config.model.architecture, 141).host_per_node
-    assert main([*args, "optimizer.offload_fraction=1.0", "cluster.host_memory_gb=549.8"]) == 1
+    assert main([*args, "optimizer.offload_fraction=1.0", "--host-memory", "512GiB"]) == 1  # 549.8 GB
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith(f"does not fit: the host of a node needs {host / GB:.0f} GB of 550 GB"), last
     assert host > HOST_USABLE * 549.8e9
     assert main([*args, "optimizer.offload_fraction=1.0", f"cluster.host_memory_gb={host / GB / HOST_USABLE + 1}"]) == 0
+    assert main([*args, "optimizer.offload_fraction=1.0", "--host-memory", "2TiB"]) == 0
     out = capsys.readouterr().out
     assert f"host per node {host / GB:.0f} GB of" in out and out.splitlines()[-1] == "fits"
     assert main([*args, "optimizer.offload_fraction=1.0"]) == 0  # the node's memory unknown: planned, not checked
