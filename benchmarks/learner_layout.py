@@ -33,15 +33,16 @@ import torch.multiprocessing as mp
 GB = 1e9
 
 
-def _meminfo_bytes(key: str) -> float:
-    """One field of /proc/meminfo (the node's memory), in bytes."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return int(fields[key].split()[0]) * 1024.0
+def _meminfo() -> dict[str, float]:
+    """/proc/meminfo's fields (the node's memory) as bytes (read: MemTotal and MemAvailable, both in kB there)."""
+    fields = (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return {key: int(value.split()[0]) * 1024.0 for key, value in fields}
 
 
 def _host_used() -> float:
-    """Bytes of the node's memory in use (MemTotal - MemAvailable)."""
-    return _meminfo_bytes("MemTotal") - _meminfo_bytes("MemAvailable")
+    """Bytes of the node's memory in use (MemTotal - MemAvailable), read once per sample."""
+    memory = _meminfo()
+    return memory["MemTotal"] - memory["MemAvailable"]
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
@@ -181,7 +182,7 @@ def main() -> None:
     # run over the plan's usable share is refused before start-up: running out of host memory kills the ranks without
     # a trace. (Not on CPU: the plan's 12 GB a rank is a GPU process's, and a CPU rank's model is small.)
     host_planned = max(s.host for s in plan.learner) * min(world, config.cluster.gpus_per_node or world)
-    node_memory = _meminfo_bytes("MemTotal")
+    node_memory = _meminfo()["MemTotal"]
     if cuda and host_planned > HOST_USABLE * node_memory:
         raise SystemExit(
             f"the learner plans {host_planned / GB:.0f} GB of host memory, over {HOST_USABLE:.0%} of this node's "
