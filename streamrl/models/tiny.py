@@ -130,7 +130,7 @@ def _hf_config(
     shape = dict(PRESETS[preset]) | ({"num_hidden_layers": num_layers} if num_layers else {})
     common = dict(
         vocab_size=VOCAB_SIZE,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,  # room for long-tail responses (vLLM refuses a max_model_len above it)
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         tie_word_embeddings=tie_word_embeddings,

@@ -94,9 +94,10 @@ def check_model_layout(config: Config) -> None:
     """The learner's parallel layout against the model's architecture, before any process starts."""
     from streamrl.learner import check_layout
 
-    learner = config.learner
+    learner, architecture = config.learner, model_architecture(config)
+    check_position_limit(config, architecture)
     check_layout(
-        model_architecture(config),
+        architecture,
         learner.tensor_parallel,
         learner.expert_parallel,
         learner.pipeline_parallel,
@@ -104,6 +105,20 @@ def check_model_layout(config: Config) -> None:
         learner.last_stage_layers,
         learner.first_stage_layers,
     )
+
+
+def check_position_limit(config: Config, architecture: dict[str, Any]) -> None:
+    """rollout.max_model_len within the model's positions, refused here rather than by every engine after the
+    learner has started. Only for plain RoPE: vLLM derives a longer limit from a scaled one (yarn, dynamic)."""
+    ropes = [architecture.get(key) or {} for key in ("rope_parameters", "rope_scaling")]  # transformers 5, 4
+    limit = architecture.get("max_position_embeddings")
+    if any(rope.get("rope_type", rope.get("type", "default")) != "default" for rope in ropes) or limit is None:
+        return
+    if config.rollout.max_model_len > limit:
+        raise ValueError(
+            f"rollout.max_model_len: {config.rollout.max_model_len} is longer than the model's "
+            f"max_position_embeddings {limit}; lower it to {limit} or less"
+        )
 
 
 def check_trainable(config: Config) -> None:

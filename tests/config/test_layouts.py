@@ -10,7 +10,7 @@ from streamrl.cli import main
 from streamrl.config import ConfigError, load_config
 from streamrl.learner import num_experts
 from streamrl.orchestrate import check_model_layout, model_architecture
-from streamrl.orchestrate.driver import check_trainable
+from streamrl.orchestrate.driver import check_position_limit, check_trainable
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 PRESETS = sorted(path for path in CONFIGS.glob("*.yaml") if "layouts" in yaml.safe_load(path.read_text()))
@@ -99,6 +99,21 @@ def test_the_architecture_must_agree_with_the_checkpoint(tmp_path: Path) -> None
     )
     with pytest.raises(ValueError, match=r"model\.architecture\.num_hidden_layers: 6, but .* says 4"):
         model_architecture(config)
+
+
+def test_a_max_model_len_beyond_the_models_positions_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """vLLM refuses it in every engine, after the learner has loaded: the layout check names the field first. A
+    scaled RoPE (yarn) is left to vLLM, which derives a longer limit from it."""
+    overrides = [f"model.path={tmp_path / 'none'}", "rollout.max_model_len=8192"]
+    limit = model_architecture(load_config(CONFIGS / "tiny.yaml", overrides))["max_position_embeddings"]
+    assert limit < 8192
+    refused = rf"rollout\.max_model_len: 8192 is longer than the model's max_position_embeddings {limit}"
+    with pytest.raises(ValueError, match=refused):
+        check_model_layout(load_config(CONFIGS / "tiny.yaml", overrides))
+    check_model_layout(load_config(CONFIGS / "tiny.yaml", [*overrides[:1], f"rollout.max_model_len={limit}"]))
+    yarn = load_config(CONFIGS / "tiny.yaml", overrides)
+    architecture = model_architecture(yarn) | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    check_position_limit(yarn, architecture)
 
 
 def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture[str]) -> None:
