@@ -91,11 +91,14 @@ def model_architecture(config: Config) -> dict[str, Any]:
 
 
 def check_model_layout(config: Config) -> None:
-    """The learner's parallel layout against the model's architecture, before any process starts."""
+    """The learner's parallel layout, and the engines' sequence length and KV cache, against the model's architecture,
+    before any process starts."""
     from streamrl.learner import check_layout
+    from streamrl.plan.kv_cache import check_kv_cache
 
     learner, architecture = config.learner, model_architecture(config)
     check_position_limit(config, architecture)
+    check_kv_cache(config, architecture)
     check_layout(
         architecture,
         learner.tensor_parallel,

@@ -1,0 +1,36 @@
+"""The KV cache's bytes a token against what vLLM allocates, and the check that the budget holds one sequence."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import load_config
+from streamrl.orchestrate import check_model_layout
+from streamrl.plan.kv_cache import kv_cache_bytes_per_token
+from streamrl.rollout.engine import DEFAULT_KV_CACHE_BYTES, VLLMEngine
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def test_the_tokens_a_budget_holds_are_the_tokens_vllm_allocates(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    cache = vllm_engine.llm.llm_engine.vllm_config.cache_config
+    per_token = kv_cache_bytes_per_token(hf, "float32", 1)
+    assert cache.num_gpu_blocks * cache.block_size == DEFAULT_KV_CACHE_BYTES // per_token
+
+
+def test_heads_split_over_tensor_parallel_gpus_and_latents_do_not() -> None:
+    gqa = {"num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}
+    assert kv_cache_bytes_per_token(gqa, "bfloat16", 2) == 2 * 48 * 2 * 128 * 2
+    assert kv_cache_bytes_per_token(gqa, "bfloat16", 8) == 2 * 48 * 1 * 128 * 2  # fewer heads than GPUs: replicated
+    mla = {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert kv_cache_bytes_per_token(mla, "bfloat16", 8) == 61 * (512 + 64) * 2
+
+
+def test_a_budget_under_one_sequence_is_refused_naming_the_field(tmp_path: Path) -> None:
+    overrides = [f"model.path={tmp_path / 'none'}", "rollout.max_model_len=256"]
+    config = load_config(CONFIGS / "tiny.yaml", overrides)
+    check_model_layout(config)  # the shipped budget holds many sequences
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_bytes: 100000 bytes hold 97 tokens .* fewer than one"):
+        check_model_layout(load_config(CONFIGS / "tiny.yaml", [*overrides, "rollout.kv_cache_bytes=100000"]))
