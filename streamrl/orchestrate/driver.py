@@ -94,11 +94,10 @@ def check_model_layout(config: Config) -> None:
     """The learner's parallel layout, and the engines' sequence length and KV cache, against the model's architecture,
     before any process starts."""
     from streamrl.learner import check_layout
-    from streamrl.plan.kv_cache import check_kv_cache
+    from streamrl.plan import check_kv_cache
 
     learner, architecture = config.learner, model_architecture(config)
     check_position_limit(config, architecture)
-    check_kv_cache(config, architecture)
     check_layout(
         architecture,
         learner.tensor_parallel,
@@ -108,6 +107,7 @@ def check_model_layout(config: Config) -> None:
         learner.last_stage_layers,
         learner.first_stage_layers,
     )
+    check_kv_cache(config, architecture)  # after the layout: a malformed architecture is named there first
 
 
 def check_position_limit(config: Config, architecture: dict[str, Any]) -> None:

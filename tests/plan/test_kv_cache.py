@@ -1,23 +1,15 @@
-"""The KV cache's bytes a token against what vLLM allocates, and the check that the budget holds one sequence."""
+"""The KV cache's bytes a token, and the check that the budget holds one sequence (against what vLLM allocates:
+tests/rollout/test_engine.py)."""
 
-import json
 from pathlib import Path
 
 import pytest
 
 from streamrl.config import load_config
 from streamrl.orchestrate import check_model_layout
-from streamrl.plan.kv_cache import kv_cache_bytes_per_token
-from streamrl.rollout.engine import DEFAULT_KV_CACHE_BYTES, VLLMEngine
+from streamrl.plan import kv_cache_bytes_per_token
 
 CONFIGS = Path(__file__).parents[2] / "configs"
-
-
-def test_the_tokens_a_budget_holds_are_the_tokens_vllm_allocates(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
-    hf = json.loads((tiny_model_dir / "config.json").read_text())
-    cache = vllm_engine.llm.llm_engine.vllm_config.cache_config
-    per_token = kv_cache_bytes_per_token(hf, "float32", 1)
-    assert cache.num_gpu_blocks * cache.block_size == DEFAULT_KV_CACHE_BYTES // per_token
 
 
 def test_heads_split_over_tensor_parallel_gpus_and_latents_do_not() -> None:

@@ -9,6 +9,7 @@ assume which weights or version it currently serves.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.rollout.engine import VLLMEngine
+from streamrl.plan import kv_cache_bytes_per_token
+from streamrl.rollout.engine import DEFAULT_KV_CACHE_BYTES, VLLMEngine
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -193,3 +195,11 @@ def test_update_in_flight_keeps_requests_and_stamps_versions(
         assert sample.versions[:3] == [old] * 3 and set(sample.versions[3:]) == {old + 1}
         expected = _hf_logprobs(new_model, prompt + sample.token_ids[:3], sample.token_ids[3:])
         assert max(abs(a - e) for a, e in zip(sample.logprobs[3:], expected, strict=True)) < 1e-4
+
+
+def test_the_kv_cache_holds_the_tokens_the_plan_says(vllm_engine: VLLMEngine, tiny_model_dir: Path) -> None:
+    """`streamrl.plan.kv_cache_bytes_per_token` (the start-up check of rollout.kv_cache_bytes) is vLLM's layout."""
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    cache = vllm_engine.llm.llm_engine.vllm_config.cache_config
+    per_token = kv_cache_bytes_per_token(hf, "float32", 1)
+    assert cache.num_gpu_blocks * cache.block_size == DEFAULT_KV_CACHE_BYTES // per_token
