@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; one Ray
-cluster that the session's jobs join; the job tests on one xdist worker; and, for a failed end-to-end test, the errors
-its actors wrote to the run's logs, in its report."""
+cluster that the session's jobs join; and, for a failed end-to-end test, the errors its actors wrote to the run's logs,
+at the end of the output (an actor that died says why only there)."""
 
 from __future__ import annotations
 
@@ -116,20 +116,11 @@ def queue_keys():
     return QueueKeys(f"test-{uuid.uuid4().hex[:8]}")
 
 
-# Tests that run whole jobs (Ray, Redis, engines and learner ranks: most of the suite's time), kept on one xdist worker
-# so that at most one job runs at a time on the 2-core CI machine while the other worker takes the rest.
-_JOB_TESTS = ("tests/orchestrate/", "tests/monitor/test_health.py", "tests/benchmarks/")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.nodeid.startswith(_JOB_TESTS):
-            item.add_marker(pytest.mark.xdist_group("jobs"))
+_failed_run_logs: list[str] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    """A failed test's run-log errors join its report (an actor that died says why only there)."""
     from tests.run_logs import errors_in_run_logs
 
     outcome = yield
@@ -138,4 +129,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if report.failed and tmp_path is not None:
         errors = errors_in_run_logs(Path(tmp_path))
         if errors:
-            report.sections.append(("errors in the failed test's run logs", errors))
+            _failed_run_logs.append(f"{item.nodeid}\n{errors}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for text in _failed_run_logs:
+        terminalreporter.write_sep("=", "errors in the failed test's run logs")
+        terminalreporter.write_line(text)
