@@ -76,14 +76,19 @@ def dropped(config: Config) -> list[str]:
 def assert_every_prompt_once(client: redis.Redis, config: Config) -> None:
     """No group is in the ledger twice, and every prompt before each engine's cursor made exactly one group: trained
     (in the ledger), dropped by an admission rule (with its id on record) or still in the stream; none skipped, none
-    sampled twice. `client` reads the run's Redis (the job's, or the embedded server restarted on its AOF)."""
+    sampled twice. `client` reads the run's Redis (the job's, or the embedded server restarted on its AOF).
+
+    The engines may still be pushing (the learner is not stepping): the cursors are read first, then the stream, then
+    the ledger and the drops. A group only moves forward (pushed before its engine's cursor passes it, then trained or
+    dropped), so every group below a cursor read is in one of the later reads; read the other way round, a push and a
+    cursor saved between the reads looked like a skipped prompt."""
+    keys = QueueKeys(config.run.name)
+    cursors = {k.decode(): json.loads(v)["index"] for k, v in client.hgetall(keys.prompt_cursors).items()}
+    queued = [fields[b"i"].decode() for _, fields in client.xrange(keys.stream)]
     trained = [group for row in ledger(config) for group in row["groups"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     refused = dropped(config)
     assert not set(refused) & set(trained), "a dropped group was trained"
-    keys = QueueKeys(config.run.name)
-    queued = [fields[b"i"].decode() for _, fields in client.xrange(keys.stream)]
-    cursors = {k.decode(): json.loads(v)["index"] for k, v in client.hgetall(keys.prompt_cursors).items()}
     assert cursors, "no engine saved a prompt cursor"
     for engine, cursor in cursors.items():
         produced = trained + refused + queued
