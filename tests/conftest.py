@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; one Ray
-cluster that the session's jobs join; and, for a failed end-to-end test, the errors its actors wrote to the run's logs,
-at the end of the output (an actor that died says why only there)."""
+cluster that the session's jobs join; the job tests on one xdist worker, and a port range of its own for each worker;
+and, for a failed end-to-end test, the errors its actors wrote to the run's logs, in its report."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from streamrl.net import PORT_RANGE_VAR
+
+# Each xdist worker (gw0, gw1, ...) picks its rendezvous ports from a range of its own, below the kernel's ephemeral
+# range (32768 up on Linux) and above Ray's worker ports (up to 19999): a port one worker picked and binds a moment
+# later is neither picked by the other nor taken as the source port of anyone's outgoing connection meanwhile (both
+# happened: EADDRINUSE in a learner test). Inherited by every rank, engine and Ray actor the worker starts.
+_PORTS_PER_WORKER = 3000
+_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+if not os.environ.get(PORT_RANGE_VAR) and _worker < 4:
+    _low = 20000 + _worker * _PORTS_PER_WORKER
+    os.environ[PORT_RANGE_VAR] = f"{_low}-{_low + _PORTS_PER_WORKER - 1}"
 
 if TYPE_CHECKING:  # vLLM is heavy: imported only by the tests that use the engine
     from streamrl.rollout.engine import VLLMEngine
@@ -116,11 +128,20 @@ def queue_keys():
     return QueueKeys(f"test-{uuid.uuid4().hex[:8]}")
 
 
-_failed_run_logs: list[str] = []
+# Tests that run whole jobs (Ray, Redis, engines and learner ranks: most of the suite's time), kept on one xdist worker
+# so that at most one job runs at a time on the 2-core CI machine while the other worker takes the rest.
+_JOB_TESTS = ("tests/orchestrate/", "tests/monitor/test_health.py", "tests/benchmarks/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(_JOB_TESTS):
+            item.add_marker(pytest.mark.xdist_group("jobs"))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test's run-log errors join its report (an actor that died says why only there)."""
     from tests.run_logs import errors_in_run_logs
 
     outcome = yield
@@ -129,10 +150,4 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if report.failed and tmp_path is not None:
         errors = errors_in_run_logs(Path(tmp_path))
         if errors:
-            _failed_run_logs.append(f"{item.nodeid}\n{errors}")
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for text in _failed_run_logs:
-        terminalreporter.write_sep("=", "errors in the failed test's run logs")
-        terminalreporter.write_line(text)
+            report.sections.append(("errors in the failed test's run logs", errors))

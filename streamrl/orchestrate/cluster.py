@@ -28,6 +28,7 @@ from typing import Any
 
 from streamrl.config import Config
 from streamrl.logs import stderr_to_run_logs
+from streamrl.net import PORT_RANGE_VAR
 from streamrl.orchestrate.learner_group import LearnerGroup
 from streamrl.orchestrate.placement import Placement, check_shared_dir
 from streamrl.orchestrate.redis_watch import RedisWatch
@@ -96,6 +97,8 @@ class Cluster:
             return
         # Actors inherit these: one intra-op thread each, since ranks and engines share the cores.
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": self.config.wandb.mode}
+        if os.environ.get(PORT_RANGE_VAR):  # the actors' rendezvous ports, on every node, in the driver's range
+            env[PORT_RANGE_VAR] = os.environ[PORT_RANGE_VAR]
         # The actors write their own output to run.dir/logs unless run.verbose (streamrl.logs).
         verbose = self.config.run.verbose
         common = {"runtime_env": {"env_vars": env}, "log_to_driver": verbose, "configure_logging": False}

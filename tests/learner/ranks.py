@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from streamrl.config import LearnerConfig
+from streamrl.net import free_port
 
 TIMEOUT_S = 60.0  # bound on a learner test's rendezvous and collectives
 
@@ -28,12 +28,6 @@ TIMEOUT_S = 60.0  # bound on a learner test's rendezvous and collectives
 def layout(world_size: int, tensor_parallel: int = 1, **sizes: int) -> LearnerConfig:
     """A test world's learner layout (data-parallel size derived) with collectives bounded by TIMEOUT_S."""
     return LearnerConfig.for_world(world_size, tensor_parallel=tensor_parallel, collective_timeout_s=TIMEOUT_S, **sizes)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def next_world_port(rank: int) -> int:
