@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; one Ray
-cluster that the session's jobs join; the job tests on one xdist worker, and a port range of its own for each worker;
-and, for a failed end-to-end test, the errors its actors wrote to the run's logs, in its report."""
+cluster that the session's jobs join; a port range of its own for each xdist worker; and, for a failed end-to-end
+test, the errors its actors wrote to the run's logs, in its report."""
 
 from __future__ import annotations
 
@@ -126,17 +126,6 @@ def queue_keys():
     from streamrl.queue.stream import QueueKeys
 
     return QueueKeys(f"test-{uuid.uuid4().hex[:8]}")
-
-
-# Tests that run whole jobs (Ray, Redis, engines and learner ranks: most of the suite's time), kept on one xdist worker
-# so that at most one job runs at a time on the 2-core CI machine while the other worker takes the rest.
-_JOB_TESTS = ("tests/orchestrate/", "tests/monitor/test_health.py", "tests/benchmarks/")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.nodeid.startswith(_JOB_TESTS):
-            item.add_marker(pytest.mark.xdist_group("jobs"))
 
 
 @pytest.hookimpl(hookwrapper=True)
