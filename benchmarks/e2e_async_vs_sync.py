@@ -8,7 +8,8 @@ async at each `queue.max_staleness` — it starts the job (engines, learner, Red
 first step on (start-up excluded), sampling every GPU's utilisation with nvidia-smi every 0.5 s, and reports:
 generated and trained tokens/s and the step time split in the steady state (the steps after `--warmup-steps`, whose
 first compiles the learner's kernels, over their own iterations' wall time), the whole run's wall time and its first
-step's, the GPU busy fraction of the engines' and the learner's GPUs (over the whole run), policy lag, publish time,
+step's, the GPU busy fraction of the engines' and the learner's GPUs (in the steady state, between the end of the
+last warm-up step and the end of the last step, as the rates; and over the whole run), policy lag, publish time,
 stale drops, the reward per consumed sample (every step consumes the same number of samples) and the reward at
 equal versions (of the samples that the same policy versions generated: the last quarter of the versions every
 arrangement reached; a step's version is the learner's before it less the step's mean lag). `--only sync
@@ -73,9 +74,9 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
     with Cluster(config) as cluster:
         placement = json.loads((config.run.dir / "placement.json").read_text())
         sampler.start()
-        start = time.perf_counter()
+        start = time.monotonic()
         result = run_steps(cluster, config, show_progress=False)
-        wall_s = time.perf_counter() - start
+        wall_s = time.monotonic() - start
         sampler.stop()
     history = result.history
     if len(history) <= warmup:
@@ -84,6 +85,11 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
     # wall time of their own iterations.
     steady = history[warmup:]
     steady_s = sum(row["perf/iteration_s"] for row in steady)
+    # The GPUs' steady window: the warm-up steps (kernel compilation, cold caches) leave the GPUs mostly idle, and
+    # took a third of the long-tail runs' time, which the whole run's busy fraction counted.
+    window = (result.step_ends[warmup - 1] if warmup else start, result.step_ends[-1])
+    engine_gpus = [g for e in placement["engines"] for g in e["gpus"]]
+    learner_gpus = [g for r in placement["learners"] for g in r["gpus"]]
     before = history[warmup - 1]["rollout/tokens_generated"] if warmup else 0.0
 
     def trained(rows: list[dict[str, Any]]) -> float:
@@ -109,8 +115,10 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
         "steady_s": steady_s,
         "steady_generated_tokens_per_s": (history[-1]["rollout/tokens_generated"] - before) / steady_s,
         "steady_trained_tokens_per_s": trained(steady) / steady_s,
-        "engine_gpu_busy": sampler.busy([g for e in placement["engines"] for g in e["gpus"]]),
-        "learner_gpu_busy": sampler.busy([g for r in placement["learners"] for g in r["gpus"]]),
+        "engine_gpu_busy": sampler.busy(engine_gpus),  # the whole run, warm-up steps included
+        "learner_gpu_busy": sampler.busy(learner_gpus),
+        "engine_gpu_busy_steady": sampler.busy(engine_gpus, *window),
+        "learner_gpu_busy_steady": sampler.busy(learner_gpus, *window),
         "learner_compute_fraction": sum(
             row["perf/forward_backward_s"] + row["perf/optimizer_s"] + row.get("perf/grad_reduce_s", 0.0)
             for row in steady
@@ -222,13 +230,19 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     synced = [r["steady_trained_tokens_per_s"] for r in runs if r["mode"] != "async"]
     sync = max(synced) if synced else None
     print(
-        "| mode | staleness | wall s | first step s | gen tok/s | trained tok/s | vs best sync | engine GPU busy | "
-        "learner GPU busy | lag | drops | response len mean / max | sync gen wait s | step s | wait s | fwd+bwd s | "
-        "publish s | reward/sample | reward at equal versions |"
+        "| mode | staleness | wall s | first step s | gen tok/s | trained tok/s | vs best sync | engine GPU busy "
+        "steady / run | learner GPU busy steady / run | lag | drops | response len mean / max | sync gen wait s | "
+        "step s | wait s | fwd+bwd s | publish s | reward/sample | reward at equal versions |"
     )
     print("|" + "---|" * 19)
     for r in runs:
-        busy = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("engine_gpu_busy", "learner_gpu_busy")]
+        # Runs measured before the steady window was sampled have the whole run's busy fraction only.
+        busy = [
+            " / ".join(
+                "-" if r.get(k) is None else f"{r[k]:.2f}" for k in (f"{side}_gpu_busy_steady", f"{side}_gpu_busy")
+            )
+            for side in ("engine", "learner")
+        ]
         lengths = "-"  # runs measured before the lengths were reported have none
         if "response_length_max" in r:
             lengths = f"{r['response_length_mean']:.0f} / {r['response_length_max']:.0f}"

@@ -1,14 +1,16 @@
 """What a user watches: a progress bar on the terminal and per-step metrics in W&B (offline by default).
 
-`RunMonitor.log(step, metrics)` records one row; `close()` finishes the W&B run and returns the
-one-line summary the CLI prints. W&B files live under the run directory; every start of a run directory logs
-into the same W&B run (its id is kept in RUN_DIR/wandb_run_id), so a resumed job continues its curves.
+`RunMonitor.log(step, metrics)` records one row (in `history`, and its `time.monotonic()` in `logged_at`);
+`close()` finishes the W&B run and returns the one-line summary the CLI prints. W&B files live under the run
+directory; every start of a run directory logs into the same W&B run (its id is kept in RUN_DIR/wandb_run_id), so a
+resumed job continues its curves.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +54,13 @@ class RunMonitor:
             dynamic_ncols=True,
         )
         self.history: list[dict[str, float]] = []
+        self.logged_at: list[float] = []
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not metrics.get("train/replayed"):  # a step re-trained from the journal was logged before the crash
             self.run.log(metrics, step=step)
         self.history.append(metrics)
+        self.logged_at.append(time.monotonic())
         self.bar.update(1)
         self.bar.set_postfix(
             reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",

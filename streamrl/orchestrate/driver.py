@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 class RunResult:
     summary: str  # the one-line summary printed at exit
     history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per step
+    # time.monotonic() at each row's logging, the end of its step's iteration: a benchmark's steady-state window
+    step_ends: list[float] = field(default_factory=list)
 
 
 def ensure_model(config: Config) -> None:
@@ -241,7 +243,7 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
         summary = monitor.close()
     if stopped:
         summary += f" | stopped ({stopped}) after step {first + len(monitor.history)}; run again to resume"
-    return RunResult(summary, monitor.history)
+    return RunResult(summary, monitor.history, monitor.logged_at)
 
 
 def prepare_run(config: Config) -> None:

@@ -23,7 +23,13 @@ def test_resume_continues_from_latest_checkpoint(tmp_path: Path) -> None:
     prepare_run(first)
     with Cluster(first) as cluster:
         assert start_step(cluster) == 0
-        assert len(run_steps(cluster, first, show_progress=False).history) == 4
+        result = run_steps(cluster, first, show_progress=False)
+        assert len(result.history) == 4
+        # When each step's iteration ended (a benchmark's steady window): one time per step, in order, each step at
+        # least its own iteration after the one before.
+        gaps = [later - earlier for earlier, later in zip(result.step_ends[:-1], result.step_ends[1:], strict=True)]
+        assert len(result.step_ends) == 4
+        assert all(gap >= row["perf/iteration_s"] for gap, row in zip(gaps, result.history[1:], strict=True))
         saved = learner_logprobs(cluster, first)
     root = checkpoint_root(first.run.dir)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
