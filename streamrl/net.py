@@ -52,10 +52,11 @@ def free_port(host: str = "127.0.0.1") -> int:
             sock.bind((host, 0))
             return sock.getsockname()[1]
     low, high = span
-    for port in _chooser.sample(range(low, high + 1), min(_PORT_TRIES, high - low + 1)):
+    tries = min(_PORT_TRIES, high - low + 1)
+    for port in _chooser.sample(range(low, high + 1), tries):
         if _bindable(host, port):
             return port
-    raise RuntimeError(f"{PORT_RANGE_VAR}={low}-{high}: no free port on {host} among {_PORT_TRIES} tried")
+    raise RuntimeError(f"{PORT_RANGE_VAR}={low}-{high}: no free port on {host} among {tries} tried")
 
 
 def ray_node() -> dict[str, Any]:
