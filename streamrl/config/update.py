@@ -106,6 +106,12 @@ class OptimizerConfig(_Section):
     grad_reduce_in_fp32: bool = Field(
         True, description="Accumulate and reduce gradients in float32 even when learner.params_dtype is bfloat16."
     )
+    overlap_grad_reduce: bool | None = Field(
+        None,
+        description="Reduce the gradients bucket by bucket while the last micro-batch's backward still runs "
+        "(Megatron's overlap_grad_reduce) rather than all at once after it. Unset: on with CUDA, off on the host "
+        "(gloo's reductions would compete with the backward for the same cores).",
+    )
     cpu_offload: bool = Field(
         False,
         description="Keep offload_fraction of the optimizer state and its update on the host (Megatron's "

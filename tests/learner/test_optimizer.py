@@ -4,7 +4,8 @@
   the same loss (the whole step's micro-batches, backward, clip by the global norm, torch AdamW): the norm within
   1e-5 relative, each parameter within 5e-5 (0.5 % of the learning rate; see PARAM_TOL), at DP=1 in this process
   and at DP=2 in two spawned gloo ranks that split the micro-batches: gradients are summed over DP (the loss is
-  normalised over the global step), and the updated parameters are gathered on every rank.
+  normalised over the global step), and the updated parameters are gathered on every rank. At DP=2 also with
+  `overlap_grad_reduce` over two steps: the second step's reduce is launched by the backward, not after it.
 - bfloat16 parameters keep float32 master weights and Adam state, and the step writes the master weights, rounded,
   back into the model (the norms' weights stay float32: Megatron's torch norms ignore params_dtype).
 - Selective and full recomputation leave the loss and every gradient unchanged (within 1e-6).
@@ -16,11 +17,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from megatron.core import parallel_state
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from streamrl.config import OptimizerConfig
@@ -28,7 +31,7 @@ from streamrl.learner import optimizer_fixes
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import microbatch_logprobs
-from streamrl.learner.optimizer import Training, build_training, host_threads
+from streamrl.learner.optimizer import Training, build_training, host_threads, overlaps_grad_reduce
 from streamrl.learner.parallel import destroy_parallel, init_parallel
 from streamrl.learner.pipeline import run_microbatches
 from tests.learner.ranks import TIMEOUT_S, layout, record_errors, run_ranks
@@ -44,27 +47,33 @@ def _model(model_dir: Path, **kwargs: object) -> torch.nn.Module:
     return model
 
 
-def _megatron_step(model_dir: Path, settings: OptimizerConfig = SETTINGS) -> tuple[float, dict[str, torch.Tensor]]:
-    """(grad norm, parameters after one step) with this world's DDP + optimizer; DP ranks split the micro-batches."""
+def _megatron_step(
+    model_dir: Path, settings: OptimizerConfig = SETTINGS, steps: int = 1
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """(last grad norm, parameters after `steps` steps on the same micro-batches) with this world's DDP + optimizer;
+    DP ranks split the micro-batches."""
     model = _model(model_dir)
     training = build_training([model], settings)
-    training.zero_grad()
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    run_microbatches(training.models, _microbatches()[dp_rank::dp_size], _loss)
-    norm = training.step()
+    for _ in range(steps):
+        training.zero_grad()
+        run_microbatches(training.models, _microbatches()[dp_rank::dp_size], _loss)
+        norm = training.step()
     return norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _torch_step(model_dir: Path) -> tuple[float, dict[str, torch.Tensor]]:
+def _torch_step(model_dir: Path, steps: int = 1) -> tuple[float, dict[str, torch.Tensor]]:
     """The reference: the whole step in one process, no Megatron schedule, DDP or optimizer."""
     model = _model(model_dir)
-    for mb in _microbatches():
-        _loss(microbatch_logprobs(model, mb), mb)[0].backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=SETTINGS.lr, betas=SETTINGS.betas, eps=SETTINGS.eps, weight_decay=SETTINGS.weight_decay
     )
-    optimizer.step()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for mb in _microbatches():
+            _loss(microbatch_logprobs(model, mb), mb)[0].backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip))
+        optimizer.step()
     return norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -86,6 +95,18 @@ def _dp2_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
         torch.set_num_threads(1)
         init_parallel(layout(2, 1), rank, "127.0.0.1", port, seed=0)
         torch.save(_megatron_step(model_dir), out_dir / f"step-{rank}.pt")
+        # Overlapped: Megatron learns in the first step which gradients each bucket waits for, and from the second
+        # on launches a bucket's reduce from the backward hook of its last gradient. Record who launches them.
+        launched_by: list[str] = []
+        start_grad_sync = _ParamAndGradBucketGroup.start_grad_sync
+
+        def recorded(group: _ParamAndGradBucketGroup, *args: object, **kwargs: object) -> None:
+            launched_by.append(sys._getframe(1).f_code.co_name)
+            start_grad_sync(group, *args, **kwargs)
+
+        _ParamAndGradBucketGroup.start_grad_sync = recorded
+        overlapped = _megatron_step(model_dir, SETTINGS.model_copy(update={"overlap_grad_reduce": True}), steps=2)
+        torch.save((*overlapped, launched_by), out_dir / f"overlapped-{rank}.pt")
         destroy_parallel()
 
 
@@ -96,8 +117,22 @@ def test_distributed_optimizer_step_matches_torch_at_dp1_and_dp2(
     assert expected[0] > SETTINGS.grad_clip  # the clip is exercised
     _assert_close(_megatron_step(tiny_model_dir), expected)
     run_ranks(_dp2_rank, 2, (tiny_model_dir,), tmp_path, 2 * TIMEOUT_S)
+    expected_two = _torch_step(tiny_model_dir, steps=2)
     for rank in range(2):  # each rank updated its shard and gathered the others'
         _assert_close(torch.load(tmp_path / f"step-{rank}.pt"), expected)
+        norm, params, launched_by = torch.load(tmp_path / f"overlapped-{rank}.pt")
+        _assert_close((norm, params), expected_two)
+        # One bucket (the tiny model is far below Megatron's 40M-parameter buckets): launched at the end of the first
+        # step's schedule, then by the second step's backward.
+        assert launched_by == ["finish_grad_sync", "register_grad_ready"]
+
+
+def test_gradients_are_reduced_during_the_backward_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not overlaps_grad_reduce(OptimizerConfig())  # gloo: the buckets would compete with the backward
+    assert overlaps_grad_reduce(OptimizerConfig(overlap_grad_reduce=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert overlaps_grad_reduce(OptimizerConfig())
+    assert not overlaps_grad_reduce(OptimizerConfig(overlap_grad_reduce=False))
 
 
 def _bf16_step(model_dir: Path, settings: OptimizerConfig) -> tuple[float, dict[str, torch.Tensor], Training]:
