@@ -37,6 +37,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 def run_one(seed: int, overrides: list[str], steps: int, workdir: Path) -> dict[str, Any]:
     from streamrl.config import load_config
+    from streamrl.monitor import policy_reward
     from streamrl.orchestrate.driver import train
 
     config = load_config(
@@ -55,7 +56,7 @@ def run_one(seed: int, overrides: list[str], steps: int, workdir: Path) -> dict[
     start = time.perf_counter()
     history = train(config, show_progress=False).history
     late = history[len(history) // 2 :]
-    rewards = [row["rollout/reward_mean"] for row in late]
+    rewards = [policy_reward(row) for row in late]
     return {
         "seed": seed,
         "late_reward_mean": statistics.fmean(rewards),
@@ -63,7 +64,7 @@ def run_one(seed: int, overrides: list[str], steps: int, workdir: Path) -> dict[
         "late_steps_below_0_9": sum(reward < 0.9 for reward in rewards),
         "late_behaviour_kl_max": max(row.get("train/behaviour_kl", 0.0) for row in late),
         "policy_lag_mean": statistics.fmean(row["queue/policy_lag_mean"] for row in history),
-        "rewards": [row["rollout/reward_mean"] for row in history],
+        "rewards": [policy_reward(row) for row in history],
         "seconds": time.perf_counter() - start,
     }
 

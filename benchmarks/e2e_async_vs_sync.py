@@ -41,6 +41,7 @@ from typing import Any
 from gpu_sampler import GpuSampler
 
 from streamrl.config import Config, load_config
+from streamrl.monitor import policy_reward
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run, run_steps
 
@@ -98,7 +99,7 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
     def mean(key: str) -> float:
         return statistics.fmean(row.get(key, 0.0) for row in steady)
 
-    rewards = [row["rollout/reward_mean"] for row in history]
+    rewards = [policy_reward(row) for row in history]
     # The policy version that generated each step's samples (on average over its groups): the learner's version
     # before the step less the step's mean lag.
     versions = [row["train/policy_version"] - 1 - row["queue/policy_lag_mean"] for row in history]

@@ -6,7 +6,8 @@ the same order. Rank 0 (the only one holding a queue consumer) admits groups fro
 oldest token's version; in arrival order among equals) until the step is complete (`compose.take_step`), dropping and
 counting groups whose oldest token is more than `queue.max_staleness` versions behind and, with
 `batching.drop_constant_groups`, groups whose rewards are all equal (admission; the engines keep producing, so the
-step fills with groups that carry a signal; the dropped ids are recorded in the journal's drop list before the acks),
+step fills with groups that carry a signal; the dropped ids are recorded in the journal's drop list before the acks,
+and their rewards join the step's in `rollout/reward_mean_unfiltered`),
 and broadcasts their wire bytes to every rank (no pickle between ranks either: docs/DESIGN.md, invariant 5). Every
 rank then plans the whole step deterministically and collates only its own micro-batches (`microbatch.plan_rank`; with
 `loss.overlong_buffer`, from rewards with DAPO's overlong penalties, `streamrl.loss.overlong`, while `Step.groups` and
@@ -89,6 +90,7 @@ class StepSource:
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.dropped_stale = 0  # groups dropped at admission for staleness (rank 0)
         self.dropped_constant = 0  # groups dropped at admission for equal rewards (batching.drop_constant_groups)
+        self._constant_rewards: list[np.ndarray] = []  # those dropped since the last step's metrics, their rewards
         self._held: list[ConsumedGroup] = []  # read but not yet in a step (rank 0)
         root = config.run.dir / "journal"
         self.journal = StepJournal(root, config.queue.max_entry_bytes) if consumer is not None else None
@@ -200,8 +202,10 @@ class StepSource:
         assert self.consumer is not None
         lags = [learner_version - g.min_version for g in step.groups]
         lengths = [n for g in step.groups for n in g.lengths]
+        rewards = np.concatenate([g.rewards for g in step.groups])
         return self._token_metrics(step, learner_version) | {
-            "rollout/reward_mean": float(np.mean(np.concatenate([g.rewards for g in step.groups]))),
+            "rollout/reward_mean": float(np.mean(rewards)),
+            **self._unfiltered_reward(rewards),
             "rollout/response_length_mean": float(np.mean(lengths)),
             "rollout/response_length_max": float(max(lengths)),  # the tail a synchronous step waits for
             "perf/step_time_s": step_s,
@@ -217,6 +221,15 @@ class StepSource:
             "queue/duplicates_skipped": self.consumer.duplicates_skipped,
             "queue/wait_s": step.wait_s + waited_s,
         }
+
+    def _unfiltered_reward(self, step_rewards: np.ndarray) -> dict[str, float]:
+        """With dynamic sampling, the step's rewards are those of groups that still vary (a solved prompt's group is
+        dropped): `rollout/reward_mean_unfiltered` adds the constant groups dropped since the previous step, the
+        policy's reward on every prompt it finished."""
+        if not self.config.batching.drop_constant_groups:
+            return {}
+        rewards, self._constant_rewards = np.concatenate([step_rewards, *self._constant_rewards]), []
+        return {"rollout/reward_mean_unfiltered": float(np.mean(rewards))}
 
     @staticmethod
     def _token_metrics(step: Step, learner_version: int) -> dict[str, float]:
@@ -293,6 +306,7 @@ class StepSource:
             self._held = [c for c in self._held if not np.all(c.group.rewards == c.group.rewards[0])]
             self._drop("constant", constant, learner_version)
             self.dropped_constant += len(constant)
+            self._constant_rewards += [consumed.group.rewards for consumed in constant]
         # Every data-parallel rank needs at least one sequence.
         return take_step(self._groups(), batching.groups_per_step, batching.tokens_per_step, min_sequences=self.dp_size)
 

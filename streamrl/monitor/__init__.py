@@ -6,6 +6,7 @@ __all__, __getattr__ = exports(
     __name__,
     {
         "RunMonitor": "run_monitor",
+        "policy_reward": "run_monitor",
         "read_history": "wandb_files",
         "HealthServer": "health",
         "describe_status": "health",

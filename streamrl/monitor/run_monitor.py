@@ -1,7 +1,8 @@
 """What a user watches: a progress bar on the terminal and per-step metrics in W&B (offline by default).
 
 `RunMonitor.log(step, metrics)` records one row (in `history`, and its `time.monotonic()` in `logged_at`);
-`close()` finishes the W&B run and returns the one-line summary the CLI prints. W&B files live under the run
+`close()` finishes the W&B run and returns the one-line summary the CLI prints; the reward in both is
+`policy_reward(metrics)`. W&B files live under the run
 directory; every start of a run directory logs into the same W&B run (its id is kept in RUN_DIR/wandb_run_id), so a
 resumed job continues its curves.
 """
@@ -17,6 +18,12 @@ from typing import Any
 from tqdm import tqdm
 
 from streamrl.config import Config
+
+
+def policy_reward(metrics: dict[str, Any]) -> float:
+    """A step's reward as the policy earned it: with dynamic sampling the trained groups leave out solved prompts,
+    so the figure with the dropped constant groups (`rollout/reward_mean_unfiltered`) when there is one."""
+    return float(metrics.get("rollout/reward_mean_unfiltered", metrics.get("rollout/reward_mean", 0.0)))
 
 
 def run_id(run_dir: Path) -> str:
@@ -63,7 +70,7 @@ class RunMonitor:
         self.logged_at.append(time.monotonic())
         self.bar.update(1)
         self.bar.set_postfix(
-            reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
+            reward=f"{policy_reward(metrics):.3f}",
             lag=f"{metrics.get('queue/policy_lag_mean', 0.0):.1f}",
             tok_s=f"{metrics.get('perf/tokens_per_s', 0.0):.0f}",
             queue=int(metrics.get("queue/depth", 0)),
@@ -75,8 +82,8 @@ class RunMonitor:
         if not self.history:
             return "streamrl: no steps completed"
         quarter = max(1, len(self.history) // 4)
-        first = sum(h["rollout/reward_mean"] for h in self.history[:quarter]) / quarter
-        last = sum(h["rollout/reward_mean"] for h in self.history[-quarter:]) / quarter
+        first = sum(policy_reward(h) for h in self.history[:quarter]) / quarter
+        last = sum(policy_reward(h) for h in self.history[-quarter:]) / quarter
         total_s = sum(h["perf/step_time_s"] for h in self.history)
         return (
             f"streamrl: {len(self.history)} steps in {total_s:.1f}s | reward {first:.3f} -> {last:.3f} "

@@ -86,6 +86,13 @@ def test_dynamic_sampling_drops_constant_groups_and_fills_the_step(
     source.commit(step, 1)
     metrics = source.metrics(step, 4, step_s=1.0)
     assert metrics["queue/dropped_constant"] == 2 and metrics["queue/depth"] == 0
+    # The step's reward is that of the groups that vary; the unfiltered one adds the dropped groups' 0.5s and 1.0s.
+    trained = np.concatenate([groups[1].rewards, groups[3].rewards])
+    assert metrics["rollout/reward_mean"] == pytest.approx(float(trained.mean()))
+    unfiltered = np.concatenate([trained, np.full(len(groups[0].rewards), 0.5), np.full(len(groups[2].rewards), 1.0)])
+    assert metrics["rollout/reward_mean_unfiltered"] == pytest.approx(float(unfiltered.mean()))
+    # Counted once: the next step's figure has only what was dropped after this one.
+    assert source.metrics(step, 4, step_s=1.0)["rollout/reward_mean_unfiltered"] == pytest.approx(float(trained.mean()))
     # make_group stamps each token with a random version in 0..4: per-token lags and versions spanned per response.
     tokens = np.concatenate([g.versions for g in step.groups])
     assert metrics["rollout_corr/token_lag_mean"] == pytest.approx(float(np.mean(4 - tokens)))
