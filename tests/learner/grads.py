@@ -1,7 +1,8 @@
 """Learner tests' view of gradients: completed by Megatron's DDP as the learner completes them, read under HF names.
 
 `wrap(chunks)` builds the learner's DDP + optimizer around a model's chunks, all-reducing gradients (the
-distributed optimizer's reduce-scatter would leave each rank only its shard of them). Run backward through the
+distributed optimizer's reduce-scatter would leave each rank only its shard of them); `overlap_grad_reduce` as on a
+GPU, bucket by bucket from the backward. Run backward through the
 chunks (or `run_microbatches(training.models, ...)`, which completes the gradients itself), then
 `complete(training)` returns Megatron's global grad norm (after completing them, unless the schedule did), and
 `grads_by_hf_name(chunks, hf_config)` the completed gradients, gathered with the weights' TP/EP layout logic.
@@ -18,8 +19,8 @@ from streamrl.learner.hf.convert import stream_hf_weights
 from streamrl.learner.optimizer import Training, build_training
 
 
-def wrap(chunks: Sequence[torch.nn.Module]) -> Training:
-    training = build_training(list(chunks), OptimizerConfig(distributed=False))
+def wrap(chunks: Sequence[torch.nn.Module], overlap_grad_reduce: bool = False) -> Training:
+    training = build_training(list(chunks), OptimizerConfig(distributed=False, overlap_grad_reduce=overlap_grad_reduce))
     training.zero_grad()
     return training
 

@@ -3,7 +3,9 @@
 A 4-layer tiny model runs a packed step of four micro-batches of different lengths. The reference is a single
 process running each micro-batch forward and backward directly. Spawned gloo ranks then run the same step through
 `run_microbatches` at PP=2 (1F1B), PP=2 with 2 virtual stages (interleaved), PP=2 with an uneven last stage (3 + 1
-layers), PP=2 with tied embeddings, and Qwen3-MoE at PP=2 x EP=2 (4 ranks). Each must give the same loss, the same
+layers), PP=2 with tied embeddings, and Qwen3-MoE at PP=2 x EP=2 (4 ranks); the last two also with the gradient reduce
+overlapped with the backward as on a GPU (`optimizer.overlap_grad_reduce`; Megatron launches the reduces from the
+backward from a step's second pass on, so the second pass is checked). Each must give the same loss, the same
 global grad norm and the same gradients (completed by Megatron's DDP as in the learner, gathered to HF names,
 stage by stage) within 1e-5, and the stages' streamed weights together must be exactly the HF checkpoint, each
 tensor once.
@@ -53,13 +55,17 @@ def _loss(logp: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, float]:
 
 
 def _step(
-    model_dir: Path, last_stage_layers: int | None = None, first_stage_layers: int | None = None, direct: bool = False
+    model_dir: Path,
+    last_stage_layers: int | None = None,
+    first_stage_layers: int | None = None,
+    direct: bool = False,
+    overlap: bool = False,
 ) -> dict:
     hf_config, hf_state = load_hf_checkpoint(model_dir)
     chunks = build_model_chunks(hf_config, last_stage_layers=last_stage_layers, first_stage_layers=first_stage_layers)
     for chunk in chunks:
         load_hf_weights(chunk, hf_state, hf_config)
-    training = wrap(chunks)
+    training = wrap(chunks, overlap_grad_reduce=overlap)
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     microbatches = _microbatches()[dp_rank::dp_size]  # data-parallel ranks share the step
     if direct:  # the reference: no schedule at all
@@ -69,6 +75,9 @@ def _step(
             loss.backward()
             losses.append(value)
     else:  # the schedule completes the gradients (Megatron's finalize_model_grads), as in the learner
+        if overlap:  # Megatron launches the reduces from the backward from the second pass on: that one is checked
+            run_microbatches(training.models, microbatches, _loss)
+            training.zero_grad()
         losses = run_microbatches(training.models, microbatches, _loss)
     norm = complete(training, finalize=direct)
     weights = [(name, t.cpu().clone()) for name, t in stream_hf_weights(chunks, hf_config)]  # compared on the host
@@ -105,11 +114,11 @@ def _reference(model_dir: Path) -> dict:
 
 
 def _layout_rank(rank: int, port: int, world: int, layouts: list, out_dir: Path) -> None:
-    """Per layout (name, model_dir, tp, pp, virtual, ep, last_stage_layers, first_stage_layers): a fresh world;
-    saves `{name}-{rank}.pt`."""
+    """Per layout (name, model_dir, tp, pp, virtual, ep, last_stage_layers, first_stage_layers, overlapped gradient
+    reduce): a fresh world; saves `{name}-{rank}.pt`."""
     with record_errors(out_dir, rank):
         torch.set_num_threads(1)
-        for name, model_dir, tp, pp, virtual, ep, last, first in layouts:
+        for name, model_dir, tp, pp, virtual, ep, last, first, overlap in layouts:
             init_parallel(
                 layout(world, tp, expert_parallel=ep, pipeline_parallel=pp, virtual_stages=virtual),
                 rank,
@@ -117,7 +126,7 @@ def _layout_rank(rank: int, port: int, world: int, layouts: list, out_dir: Path)
                 port,
                 seed=0,
             )
-            torch.save(_step(model_dir, last, first), out_dir / f"{name}-{rank}.pt")
+            torch.save(_step(model_dir, last, first, overlap=overlap), out_dir / f"{name}-{rank}.pt")
             port = next_world_port(rank)
             destroy_parallel()
 
@@ -141,11 +150,12 @@ def _check(out_dir: Path, name: str, world: int, reference: dict, hf_state: dict
 
 def test_dense_pipeline_layouts_match_single_process(dense_dir: Path, tied_dir: Path, tmp_path: Path) -> None:
     layouts = [
-        ("pp2", dense_dir, 1, 2, 1, 1, None, None),
-        ("pp2-vpp2", dense_dir, 1, 2, 2, 1, None, None),
-        ("pp2-last1", dense_dir, 1, 2, 1, 1, 1, None),
-        ("pp2-first1", dense_dir, 1, 2, 1, 1, None, 1),
-        ("pp2-tied", tied_dir, 1, 2, 1, 1, None, None),
+        ("pp2", dense_dir, 1, 2, 1, 1, None, None, False),
+        ("pp2-vpp2", dense_dir, 1, 2, 2, 1, None, None, False),
+        ("pp2-last1", dense_dir, 1, 2, 1, 1, 1, None, False),
+        ("pp2-first1", dense_dir, 1, 2, 1, 1, None, 1, False),
+        ("pp2-tied", tied_dir, 1, 2, 1, 1, None, None, False),
+        ("pp2-tied-overlapped-reduce", tied_dir, 1, 2, 1, 1, None, None, True),  # the GPU default
     ]
     if torch.cuda.is_available():  # two stages cannot interleave on NCCL (init_parallel refuses it)
         layouts = [layout for layout in layouts if layout[0] != "pp2-vpp2"]
@@ -155,9 +165,14 @@ def test_dense_pipeline_layouts_match_single_process(dense_dir: Path, tied_dir: 
 
 
 def test_moe_pipeline_with_expert_parallelism_matches_single_process(moe_dir: Path, tmp_path: Path) -> None:
-    layouts = [("pp2-ep2", moe_dir, 1, 2, 1, 2, None, None)]  # 4 ranks: 2 stages x 2 data-parallel ranks = EP pairs
-    run_ranks(_layout_rank, 4, (4, layouts), tmp_path, 3 * TIMEOUT_S)
-    _check(tmp_path, "pp2-ep2", 4, _reference(moe_dir), load_hf_checkpoint(moe_dir)[1])
+    layouts = [  # 4 ranks: 2 stages x 2 data-parallel ranks = EP pairs
+        ("pp2-ep2", moe_dir, 1, 2, 1, 2, None, None, False),
+        ("pp2-ep2-overlapped-reduce", moe_dir, 1, 2, 1, 2, None, None, True),  # the GPU default
+    ]
+    run_ranks(_layout_rank, 4, (4, layouts), tmp_path, 4 * TIMEOUT_S)
+    reference, hf_state = _reference(moe_dir), load_hf_checkpoint(moe_dir)[1]
+    for name, *_ in layouts:
+        _check(tmp_path, name, 4, reference, hf_state)
 
 
 def test_layouts_that_do_not_divide_the_world_are_rejected() -> None:
