@@ -5,11 +5,12 @@ Usage: `python benchmarks/e2e_async_vs_sync.py -c CONFIG [--steps 30] [--stalene
 with `--colocated` also the colocated synchronous one (the same GPUs, every one shared by a learner rank and an
 engine: learner data-parallel and engines scaled up to all of them, engines asleep while the learner trains); then
 async at each `queue.max_staleness` — it starts the job (engines, learner, Redis), then times `--steps` steps from the
-first step on (start-up excluded), sampling every GPU's utilisation with nvidia-smi every 0.5 s, and reports:
-generated and trained tokens/s and the step time split in the steady state (the steps after `--warmup-steps`, whose
-first compiles the learner's kernels, over their own iterations' wall time), the whole run's wall time and its first
-step's, the GPU busy fraction of the engines' and the learner's GPUs (in the steady state, between the end of the
-last warm-up step and the end of the last step, as the rates; and over the whole run), policy lag, publish time,
+first step on (start-up excluded), sampling every GPU's utilisation with nvidia-smi every 0.5 s, and reports: how it
+splits the GPUs (engines x GPUs each + learner ranks), generated and trained tokens/s and the step time split in the
+steady state (the steps after `--warmup-steps`, whose first compiles the learner's kernels, over their own iterations'
+wall time), the whole run's wall time and its first step's, the GPU busy fraction of the engines' and the learner's
+GPUs (in the steady state, between the end of the last warm-up step and the end of the last step, as the rates; and
+over the whole run), policy lag, publish time,
 stale drops, the reward per consumed sample (every step consumes the same number of samples) and the reward at
 equal versions (of the samples that the same policy versions generated: the last quarter of the versions every
 arrangement reached; a step's version is the learner's before it less the step's mean lag). `--only sync
@@ -66,6 +67,13 @@ def arrangement(base: Config, mode: str, staleness: int) -> Config:
     return Config.model_validate(tree)
 
 
+def gpu_split(config: Config) -> str:
+    """How an arrangement uses its GPUs: "engines x GPUs each + learner ranks", "shared" when colocated."""
+    rollout = config.rollout
+    split = f"{rollout.engines}x{rollout.gpus_per_engine} + {config.learner.world_size}"
+    return f"{split} shared" if config.colocated else split
+
+
 def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
     # A fresh run directory: an earlier invocation's journal there, with no checkpoint, would be resumed, and its
     # steps re-trained from the journal instead of generated (and its Redis would hold its queue and versions).
@@ -106,6 +114,7 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
     quarter = max(1, len(rewards) // 4)
     return {
         "mode": mode,
+        "gpus": gpu_split(config),
         "max_staleness": config.queue.max_staleness,
         "max_backlog": config.queue.max_backlog,
         "steps": len(history),
@@ -231,11 +240,12 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     synced = [r["steady_trained_tokens_per_s"] for r in runs if r["mode"] != "async"]
     sync = max(synced) if synced else None
     print(
-        "| mode | staleness | wall s | first step s | gen tok/s | trained tok/s | vs best sync | engine GPU busy "
-        "steady / run | learner GPU busy steady / run | lag | drops | response len mean / max | sync gen wait s | "
-        "step s | wait s | fwd+bwd s | publish s | reward/sample | reward at equal versions |"
+        "| mode | GPUs (engines + learner) | staleness | wall s | first step s | gen tok/s | trained tok/s | "
+        "vs best sync | engine GPU busy steady / run | learner GPU busy steady / run | lag | drops | "
+        "response len mean / max | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample | "
+        "reward at equal versions |"
     )
-    print("|" + "---|" * 19)
+    print("|" + "---|" * 20)
     for r in runs:
         # Runs measured before the steady window was sampled have the whole run's busy fraction only.
         busy = [
@@ -249,7 +259,8 @@ def print_table(runs: list[dict[str, Any]]) -> None:
             lengths = f"{r['response_length_mean']:.0f} / {r['response_length_max']:.0f}"
         ratio = "-" if sync is None else f"{r['steady_trained_tokens_per_s'] / sync:.2f}"
         print(
-            f"| {r['mode']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['first_step_s']:.1f} | "
+            f"| {r['mode']} | {r.get('gpus', '-')} | {r['max_staleness']} | {r['wall_s']:.1f} | "
+            f"{r['first_step_s']:.1f} | "
             f"{r['steady_generated_tokens_per_s']:.0f} | {r['steady_trained_tokens_per_s']:.0f} | {ratio} | "
             f"{busy[0]} | {busy[1]} | {r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | {lengths} | "
             f"{r['generate_wait_s']:.3f} | {r['step_s']:.3f} | {r['wait_s']:.3f} | "

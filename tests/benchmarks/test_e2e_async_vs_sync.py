@@ -1,5 +1,6 @@
 """`benchmarks/e2e_async_vs_sync.py`'s reward at equal versions: each arrangement's reward over the same policy
-versions, whatever lag its samples had; a comparison run in several invocations merged into one table."""
+versions, whatever lag its samples had; a comparison run in several invocations merged into one table; each
+arrangement's split of the GPUs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks import each other
 
-from e2e_async_vs_sync import _reward_at_equal_versions, merge  # noqa: E402
+from e2e_async_vs_sync import _reward_at_equal_versions, arrangement, gpu_split, merge  # noqa: E402
+
+from streamrl.config import load_config  # noqa: E402
 
 MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "e2e_async_vs_sync_large_4gpu.json"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _run(steps: int, lag: int, reward_of_version: float) -> dict:
@@ -49,4 +53,15 @@ def test_invocations_merge_into_one_comparison(tmp_path: Path, capsys: pytest.Ca
     assert [r["overrides"] for r in merged] == [["sync"], ["sync"], ["async"], ["async"]]
     assert len({tuple(r["reward_versions"]) for r in merged}) == 1  # one window of versions for every arrangement
     table = capsys.readouterr().out
-    assert "| async | 4 |" in table and "| 1.57 |" in table  # against the faster sync arrangement (split, 7.5k)
+    # Runs measured before the GPU split was recorded show none; against the faster sync arrangement (split, 7.5k).
+    assert "| async | - | 4 |" in table and "| 1.57 |" in table
+
+
+def test_each_arrangement_names_its_gpu_split() -> None:
+    """The 4-GPU config: two one-GPU engines and two learner ranks; colocated, four of each on the same GPUs; a merged
+    table of several splits tells them apart by this."""
+    base = load_config(CONFIGS / "qwen3-large-gpu.yaml", [])
+    assert gpu_split(arrangement(base, "async", 2)) == "2x1 + 2"
+    assert gpu_split(arrangement(base, "colocated", 1)) == "4x1 + 4 shared"
+    one_engine = load_config(CONFIGS / "qwen3-large-gpu.yaml", ["rollout.engines=1", "learner.data_parallel=3"])
+    assert gpu_split(arrangement(one_engine, "sync", 1)) == "1x1 + 3"
