@@ -109,8 +109,8 @@ class OptimizerConfig(_Section):
     overlap_grad_reduce: bool | None = Field(
         None,
         description="Reduce the gradients bucket by bucket while the last micro-batch's backward still runs "
-        "(Megatron's overlap_grad_reduce) rather than all at once after it. Unset: on with CUDA, off on the host "
-        "(gloo's reductions would compete with the backward for the same cores).",
+        "(Megatron's overlap_grad_reduce) rather than all at once after it. Unset: on for a learner on GPUs, off on "
+        "the host (gloo's reductions would compete with the backward for the same cores).",
     )
     cpu_offload: bool = Field(
         False,

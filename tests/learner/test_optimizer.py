@@ -127,12 +127,11 @@ def test_distributed_optimizer_step_matches_torch_at_dp1_and_dp2(
         assert launched_by == ["finish_grad_sync", "register_grad_ready"]
 
 
-def test_gradients_are_reduced_during_the_backward_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not overlaps_grad_reduce(OptimizerConfig())  # gloo: the buckets would compete with the backward
-    assert overlaps_grad_reduce(OptimizerConfig(overlap_grad_reduce=True))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert overlaps_grad_reduce(OptimizerConfig())
-    assert not overlaps_grad_reduce(OptimizerConfig(overlap_grad_reduce=False))
+def test_gradients_are_reduced_during_the_backward_on_gpus_unless_set() -> None:
+    assert not overlaps_grad_reduce(OptimizerConfig(), on_gpu=False)  # gloo: it would compete with the backward
+    assert overlaps_grad_reduce(OptimizerConfig(), on_gpu=True)
+    assert overlaps_grad_reduce(OptimizerConfig(overlap_grad_reduce=True), on_gpu=False)
+    assert not overlaps_grad_reduce(OptimizerConfig(overlap_grad_reduce=False), on_gpu=True)
 
 
 def _bf16_step(model_dir: Path, settings: OptimizerConfig) -> tuple[float, dict[str, torch.Tensor], Training]:
