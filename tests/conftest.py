@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; one Ray
-cluster that the session's jobs join; a port range of its own for each xdist worker; and, for a failed end-to-end
-test, the errors its actors wrote to the run's logs, in its report."""
+cluster that the session's jobs join; a port range of its own for each xdist worker; the whole-job tests first; and,
+for a failed end-to-end test, the errors its actors wrote to the run's logs, in its report."""
 
 from __future__ import annotations
 
@@ -140,3 +140,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         errors = errors_in_run_logs(Path(tmp_path))
         if errors:
             report.sections.append(("errors in the failed test's run logs", errors))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The whole-job tests (tests/orchestrate, up to two minutes each) run first, in their usual order, the rest after
+    them: the suite ends when the slower of its two xdist workers does, so the short tests are what should fill
+    the end, not a long one started late. A stable sort: every module's tests stay together."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/orchestrate/"))
