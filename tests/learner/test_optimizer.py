@@ -63,7 +63,8 @@ def _megatron_step(
 
 
 def _torch_step(model_dir: Path, steps: int = 1) -> tuple[float, dict[str, torch.Tensor]]:
-    """The reference: the whole step in one process, no Megatron schedule, DDP or optimizer."""
+    """The reference: `steps` whole steps on the same micro-batches in one process, no Megatron schedule, DDP or
+    optimizer."""
     model = _model(model_dir)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=SETTINGS.lr, betas=SETTINGS.betas, eps=SETTINGS.eps, weight_decay=SETTINGS.weight_decay
