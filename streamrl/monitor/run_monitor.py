@@ -2,9 +2,8 @@
 
 `RunMonitor.log(step, metrics)` records one row (in `history`, and its `time.monotonic()` in `logged_at`);
 `close()` finishes the W&B run and returns the one-line summary the CLI prints; the reward in both is
-`policy_reward(metrics)`. W&B files live under the run
-directory; every start of a run directory logs into the same W&B run (its id is kept in RUN_DIR/wandb_run_id), so a
-resumed job continues its curves.
+`policy_reward(metrics)`. W&B files live under the run directory; every start of a run directory logs into the same
+W&B run (its id is kept in RUN_DIR/wandb_run_id), so a resumed job continues its curves.
 """
 
 from __future__ import annotations
