@@ -96,9 +96,6 @@ class Config(_Section):
                 "train.colocated_publish: 'gpu' sends each stage from a second rank to the engine worker on the first "
                 "rank's GPU, and the learner's stages have one rank; use 'host'"
             )
-        if self.rollout.executor == "ray" and self.colocated:
-            # Colocated engines take their GPUs from the learner's placement groups, packed a node each.
-            raise ValueError("rollout.executor: 'ray' places an engine's GPUs of its own; colocated engines use 'mp'")
         return self
 
     @property

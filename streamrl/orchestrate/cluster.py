@@ -140,7 +140,7 @@ class Cluster:
     def _new_engine(self, index: int) -> Any:
         options = self.placement.engine_options(index)
         return self._engine_cls.options(max_concurrency=8, **options).remote(
-            self.config, index, self.redis_url, self.redis_password, self.placement.engine_gpu_ids(index)
+            self.config, index, self.redis_url, self.redis_password, self.placement.engine_env(index)
         )
 
     def get(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:

@@ -135,7 +135,6 @@ def check_trainable(config: Config) -> None:
         raise ValueError(
             f"rollout.gpus_per_engine: an engine of {rollout.gpus_per_engine} GPUs spans nodes of "
             f"{per_node} (cluster.gpus_per_node); set rollout.executor=ray (its workers are Ray actors on any node)"
-            + (", which colocated engines cannot use yet" if config.colocated else "")
         )
     if rollout.tensor_parallel != rollout.gpus_per_engine:
         raise ValueError(

@@ -15,15 +15,23 @@ predecessor's); `rendezvous()` is the learner world's address: rank 0's node IP 
 port free there. `where()` tells on which node the current process runs, for the placement record.
 
 Colocated (the engines share the learner's GPUs, sync mode): no bundles of their own. The GPUs come in units of
-lcm(learner TP, GPUs per engine) bundles of one GPU, each unit packed on one node; learner rank r takes bundle r of
-the units in order and engine i the bundles of ranks i*g .. (i+1)*g - 1, each actor half of a bundle's GPU. An engine
-of several GPUs gets all of them: Ray shows an actor only the GPU of its own bundle, so the GPU ids of an engine's
-bundles are read once at reservation (`engine_gpu_ids(i)`) and the engine makes them visible itself.
+lcm(learner TP, GPUs per engine) bundles of one GPU, each unit packed on one node (with `rollout.executor=ray`
+packed on as few nodes as hold it, so an engine may be wider than a node). A unit's bundles are ordered by node,
+then GPU id, once placed (`positions`); learner rank r takes position r of the units in order and engine i the
+positions of ranks i*g .. (i+1)*g - 1, each actor half of a bundle's GPU, so worker w of engine i shares the GPU of
+learner rank i*g + w (what the weight groups' plan relies on). On every node a unit must hold whole learner TP
+groups, else the reservation is an error naming the keys. An engine of several GPUs gets all of them:
+`engine_env(i)` is the environment its actor sets before vLLM starts. With the multiprocess executor that is the
+GPU ids of its bundles (Ray shows an actor only the GPU of its own bundle), read once at reservation; with the Ray
+executor, its actor holds no GPU and sits in the unit's placement group, and vLLM starts worker w in the bundle of
+position i*g + w (`VLLM_RAY_BUNDLE_INDICES`) holding half its GPU (`VLLM_RAY_PER_WORKER_GPUS`); vLLM numbers a
+node's workers by ascending GPU id, which the positions' order matches.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from streamrl.config import Config
@@ -45,7 +53,9 @@ class Placement:
     def __init__(self, config: Config, engine_groups: list[Any], learner_groups: list[Any], unit: int):
         self.config, self.engine_groups, self.learner_groups = config, engine_groups, learner_groups
         self.unit = unit  # bundles per learner placement group
-        self.bundle_gpus: list[list[str]] = []  # colocated on CUDA: each unit's bundles' GPU ids
+        # Colocated on CUDA: per unit, the bundle index and the GPU id of each position (module docstring).
+        self.positions: list[list[int]] = [list(range(unit)) for _ in learner_groups]
+        self.position_gpus: list[list[str]] = []
 
     @classmethod
     def reserve(cls, config: Config) -> Placement:
@@ -72,14 +82,16 @@ class Placement:
             engine_gpus = {"GPU": gpus * config.rollout.gpus_per_engine} if gpus else {}
             engine_bundle = {**bundle(cluster.engine_resources), **engine_gpus}
             engines = [placement_group([engine_bundle] * config.rollout.engines, strategy="SPREAD")]
+        # A colocated engine of the Ray executor may span nodes (its workers are actors on any node of the group).
+        spread = "PACK" if config.colocated and config.rollout.executor == "ray" else "STRICT_PACK"
         groups = [
-            placement_group([bundle(cluster.learner_resources)] * unit, strategy="STRICT_PACK")
+            placement_group([bundle(cluster.learner_resources)] * unit, strategy=spread)
             for _ in range(learner.world_size // unit)
         ]
         placement = cls(config, engines, groups, unit)
         placement._wait()
         if config.colocated and gpus:
-            placement.bundle_gpus = placement._read_bundle_gpus()
+            placement._order_positions()
         return placement
 
     def _wait(self) -> None:
@@ -120,36 +132,62 @@ class Placement:
         return {"num_gpus": gpus * share, "resources": spec}
 
     def _bundle_of_rank(self, rank: int) -> tuple[Any, int]:
-        return self.learner_groups[rank // self.unit], rank % self.unit
+        unit = rank // self.unit
+        return self.learner_groups[unit], self.positions[unit][rank % self.unit]
+
+    def _engine_ranks(self, index: int) -> range:
+        """Colocated: the learner ranks whose GPUs engine `index` shares, in its workers' order."""
+        per_engine = self.config.rollout.gpus_per_engine
+        return range(index * per_engine, (index + 1) * per_engine)
 
     def engine_options(self, index: int) -> dict[str, Any]:
+        ray_executor = self.config.rollout.executor == "ray"
         if self.config.colocated:
-            return self._options(*self._bundle_of_rank(index * self.config.rollout.gpus_per_engine), SHARED_GPU)
-        if self.config.rollout.executor == "ray":  # no GPU: the workers vLLM starts in the group hold them
+            first = self._bundle_of_rank(self._engine_ranks(index)[0])
+            # The Ray executor's workers take the GPUs' halves: its actor holds none, its children join the group.
+            return self._options(*first, 0.0, capture=True) if ray_executor else self._options(*first, SHARED_GPU)
+        if ray_executor:  # no GPU: the workers vLLM starts in the group hold them
             return self._options(self.engine_groups[index], 0, share=0.0, capture=True)
         return self._options(self.engine_groups[0], index)
 
-    def engine_gpu_ids(self, index: int) -> list[str] | None:
-        """Colocated engine of several GPUs: the GPU ids it must make visible itself (None: Ray's choice is it)."""
-        per_engine = self.config.rollout.gpus_per_engine
-        if not self.bundle_gpus or per_engine == 1:
-            return None
-        first = index * per_engine
-        return [self.bundle_gpus[r // self.unit][r % self.unit] for r in range(first, first + per_engine)]
+    def engine_env(self, index: int) -> dict[str, str]:
+        """Colocated engine of several GPUs: the environment its actor sets before vLLM starts (module docstring)."""
+        ranks = self._engine_ranks(index)
+        if not self.position_gpus or len(ranks) == 1:
+            return {}
+        if self.config.rollout.executor == "ray":
+            bundles = [self._bundle_of_rank(rank)[1] for rank in ranks]
+            return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)), "VLLM_RAY_PER_WORKER_GPUS": str(SHARED_GPU)}
+        gpus = [self.position_gpus[rank // self.unit][rank % self.unit] for rank in ranks]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
 
     def learner_options(self, rank: int) -> dict[str, Any]:
         return self._options(*self._bundle_of_rank(rank), SHARED_GPU if self.config.colocated else 1.0)
 
-    def _read_bundle_gpus(self) -> list[list[str]]:
-        """Each bundle's GPU id, read by a task holding the whole bundle (before any actor takes a share of it)."""
+    def _order_positions(self) -> None:
+        """Colocated: each unit's bundles ordered by node, then GPU id, read by a task holding each whole bundle
+        (before any actor takes a share of it); a unit that splits a learner TP group over nodes is refused."""
         import ray
 
         def probe(group: Any, index: int) -> Any:
-            return ray.remote(_gpu_ids).options(**self._options(group, index)).remote()
+            return ray.remote(_node_and_gpu).options(**self._options(group, index)).remote()
 
         refs = [[probe(group, index) for index in range(self.unit)] for group in self.learner_groups]
         timeout = self.config.cluster.placement_timeout_s
-        return [[ids[0] for ids in ray.get(unit, timeout=timeout)] for unit in refs]
+        tensor_parallel = self.config.learner.tensor_parallel
+        for unit, bundles in enumerate(ray.get(refs_of_unit, timeout=timeout) for refs_of_unit in refs):
+            order = sorted(range(self.unit), key=lambda index: (bundles[index][0], int(bundles[index][1])))
+            per_node = Counter(node for node, _ in bundles)
+            if any(count % tensor_parallel for count in per_node.values()):
+                self.remove()
+                raise RuntimeError(
+                    f"learner.tensor_parallel: a colocated unit of {self.unit} GPUs (the lcm of "
+                    f"learner.tensor_parallel {tensor_parallel} and rollout.gpus_per_engine) was placed "
+                    f"{sorted(per_node.values(), reverse=True)} GPUs per node, splitting a tensor-parallel group "
+                    "over nodes; give the job whole nodes (their free GPUs a multiple of learner.tensor_parallel)"
+                )
+            self.positions[unit] = order
+            self.position_gpus.append([bundles[index][1] for index in order])
 
     def rendezvous(self) -> tuple[str, int]:
         """The learner world's rendezvous: an address of rank 0's node every node reaches, and a free port there."""
@@ -165,10 +203,11 @@ class Placement:
             remove_placement_group(group)
 
 
-def _gpu_ids() -> list[str]:
+def _node_and_gpu() -> tuple[str, str]:
+    """The node id and the (one) GPU id of the bundle this task holds."""
     import ray
 
-    return [str(gpu) for gpu in ray.get_gpu_ids()]
+    return ray.get_runtime_context().get_node_id(), str(ray.get_gpu_ids()[0])
 
 
 def _read_marker(path: str) -> str:

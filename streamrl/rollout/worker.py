@@ -78,7 +78,7 @@ class RolloutWorker:
         engine_index: int,
         redis_url: str,
         redis_password: str | None,
-        gpu_ids: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -86,8 +86,8 @@ class RolloutWorker:
         from streamrl.rollout.engine_settings import engine_settings
 
         started = time.perf_counter()
-        if gpu_ids:  # a colocated engine of several GPUs: Ray gave the actor one of them (`Placement.engine_gpu_ids`)
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        # A colocated engine of several GPUs: its GPUs, or its workers' bundles (`Placement.engine_env`).
+        os.environ.update(env or {})
         self.config, self.engine_id = config, f"engine-{engine_index}"
         to_run_logs(config.run.dir, self.engine_id, config.run.verbose)
         rollout = config.rollout

@@ -117,14 +117,20 @@ def test_a_max_model_len_beyond_the_models_positions_is_refused_before_anything_
 
 
 def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture[str]) -> None:
-    """Engines wider than a node (DeepSeek-V3's, 32 GPUs) and engines with data-parallel ranks inside are planned, not
-    trained yet: refused before anything starts. Engines whose GPUs form one tensor-parallel group on one node
-    (experts over all or none of them) train, colocated ones too (in sync mode, which the colocated presets set;
-    async is refused naming train.mode)."""
+    """Engines wider than a node (DeepSeek-V3's, 32 GPUs) need the Ray executor, and engines with data-parallel ranks
+    inside are planned, not trained yet: refused before anything starts. Engines whose GPUs form one tensor-parallel
+    group (experts over all or none of them) train, colocated ones too (in sync mode, which the colocated presets
+    set; async is refused naming train.mode)."""
     config = load_config(CONFIGS / "deepseek-v3-671b.yaml", ["cluster.gpus=96"])
     spans = r"rollout\.gpus_per_engine: an engine of 32 GPUs spans nodes of 8"
     with pytest.raises(ValueError, match=spans):
         check_trainable(config)
+    # With the Ray executor the engines span nodes; their 4 data-parallel attention ranks are what stays planned,
+    # and engines of one tensor-parallel group over all 32 GPUs (as verl ran them) train.
+    ray_executor = ["cluster.gpus=96", "rollout.executor=ray"]
+    with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 8 with rollout\.gpus_per_engine 32"):
+        check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", ray_executor))
+    check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", [*ray_executor, "rollout.tensor_parallel=32"]))
     assert main(["train", "-c", str(CONFIGS / "deepseek-v3-671b.yaml"), "cluster.gpus=96"]) == 2
     assert "an engine of 32 GPUs spans nodes of 8 (cluster.gpus_per_node)" in capsys.readouterr().err
     data_parallel = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=2"]
@@ -176,14 +182,21 @@ def test_an_engine_wider_than_a_node_needs_the_ray_executor(tmp_path: Path) -> N
         r"rollout\.executor: 'ray' needs run\.device=cuda": two,
         r"rollout\.executor: 'ray' runs the workers of an engine of several GPUs": ["rollout.executor=ray"],
         r"rollout\.executor: 'ray' runs the engine core .* unset engine_process": [*two, "rollout.engine_process=true"],
-        r"rollout\.executor: 'ray' places an engine's GPUs of its own": [
-            *two,
-            "run.device=cuda",
-            "cluster.gpus=2",
-            "learner.data_parallel=2",
-            "train.mode=sync",
-        ],
     }
     for message, overrides in refused.items():
         with pytest.raises(ConfigError, match=message):
             load_config(CONFIGS / "tiny.yaml", overrides)
+    # Colocated too: the engine's workers take halves of the learner ranks' GPUs (`Placement.engine_env`).
+    colocated = [*two, "run.device=cuda", "cluster.gpus=2", "learner.data_parallel=2", "train.mode=sync"]
+    check_trainable(load_config(CONFIGS / "tiny.yaml", colocated))
+    wide_colocated = ["run.device=cuda", "cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.gpus=16", *shared]
+    wide_colocated += [
+        "learner.data_parallel=16",
+        "train.mode=sync",
+        "rollout.gpus_per_engine=16",
+        "rollout.tensor_parallel=16",
+        "rollout.executor=ray",
+    ]
+    config = load_config(CONFIGS / "tiny.yaml", wide_colocated)
+    assert config.colocated
+    check_trainable(config)

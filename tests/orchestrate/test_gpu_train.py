@@ -10,11 +10,12 @@ engine's own placement group, as an engine wider than a node runs); and into an 
 process of its own with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the
 learner and the engines (sync mode, vLLM sleeping while the learner trains), publishing over NCCL from a rank on the
 other GPU (the default where the learner's stages have two ranks) or, with `train.colocated_publish=host`, through
-host memory.
+host memory, and with an engine of vLLM's Ray executor whose workers share the learner ranks' GPUs.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -62,12 +63,19 @@ def test_train_on_gpus_finishes_and_learns(tmp_path: Path) -> None:
         ["learner.data_parallel=2", "rollout.engines=2"],
         ["learner.tensor_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"],
         ["learner.data_parallel=2", "rollout.engines=2", "train.colocated_publish=host"],
+        ["learner.data_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2", "rollout.executor=ray"],
     ],
-    ids=["dp2-two-engines", "tp2-one-engine-of-two-gpus", "dp2-two-engines-publish-through-host"],
+    ids=[
+        "dp2-two-engines",
+        "tp2-one-engine-of-two-gpus",
+        "dp2-two-engines-publish-through-host",
+        "dp2-one-engine-of-two-gpus-ray-executor",
+    ],
 )
 def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[str]) -> None:
     """Every GPU holds a learner rank and (part of) an engine; the engines free their GPU memory while the learner
-    trains, and every version reaches them whole."""
+    trains, and every version reaches them whole. With vLLM's Ray executor (as an engine wider than a node runs),
+    the engine's workers are Ray actors in the learner's bundles, worker w on learner rank w's GPU."""
     steps = 40
     config = tiny_config(
         tmp_path, *GPU, "train.mode=sync", "cluster.gpus=2", *layout, f"train.steps={steps}", "train.checkpoint_every=0"
@@ -84,6 +92,11 @@ def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[
     assert min(row["learner/parked_gb"] for row in history) > 0
     rewards = np.array([row["rollout/reward_mean"] for row in history])
     first, last = rewards[: steps // 4].mean(), rewards[-steps // 4 :].mean()
+    if "rollout.executor=ray" in layout:
+        placement = json.loads((config.run.dir / "placement.json").read_text())
+        workers = sorted(placement["engines"][0]["workers"], key=lambda worker: worker["rank"])
+        ranks = placement["learners"]
+        assert [(w["node_id"], w["gpus"]) for w in workers] == [(r["node_id"], r["gpus"]) for r in ranks], placement
     step_s = np.median([row["perf/step_time_s"] for row in history])
     print(f"colocated {layout}: reward {first:.3f} -> {last:.3f}, freed {freed:.2f} GB, step {step_s:.2f} s")
     print(result.summary)

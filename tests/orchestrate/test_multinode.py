@@ -1,7 +1,8 @@
 """Two Ray nodes on one machine (`ray.cluster_utils.Cluster`, a custom resource per node): the job, driven from a
 separate process through RAY_ADDRESS, puts its engine on the rollout node and its TP=2 learner on the training
 node, trains and finishes; a TP group that no node can hold is refused with the key to look at; an engine of the Ray
-executor wider than a node gets GPUs on both, where vLLM's executor would start its workers."""
+executor wider than a node gets GPUs on both, where vLLM's executor would start its workers, also colocated, where
+each of its workers shares the GPU of the learner rank of its position."""
 
 from __future__ import annotations
 
@@ -112,6 +113,57 @@ def test_an_engine_of_the_ray_executor_spans_nodes(two_nodes, tmp_path: Path) ->
     assert all(len(gpus) == 1 for _, gpus in workers)
     per_node = sorted(sum(1 for node, _ in workers if node == n) for n in nodes.values())
     assert sum(per_node) == 4 and per_node[0] >= 1, per_node  # both nodes, at most 3 on one
+
+
+def _bundle_and_gpu() -> tuple[str, list[int]]:
+    return ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
+
+
+class _ColocatedEngineStandIn:
+    """Does at start-up what vLLM's Ray executor (V2) does with `VLLM_RAY_BUNDLE_INDICES`: worker k in bundle k of
+    that list of the placement group its engine's actor runs in, each holding `VLLM_RAY_PER_WORKER_GPUS` of a GPU."""
+
+    def start_workers(self, env: dict[str, str]) -> tuple[list[int], list[tuple[str, list[int]]]]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = ray.util.get_current_placement_group()
+        assert group is not None, "the engine's actor is not in a placement group its children join"
+        share = float(env["VLLM_RAY_PER_WORKER_GPUS"])
+        workers = [
+            ray.remote(_bundle_and_gpu).options(
+                num_cpus=0, num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(group, int(bundle))
+            )
+            for bundle in env["VLLM_RAY_BUNDLE_INDICES"].split(",")
+        ]
+        return ray.get_gpu_ids(), ray.get([worker.remote() for worker in workers], timeout=60)
+
+
+def test_a_colocated_engine_of_the_ray_executor_spans_nodes_beside_its_learner_ranks(two_nodes, tmp_path: Path) -> None:
+    """An engine of 4 GPUs colocated with 4 learner ranks on nodes of 3: worker w of the engine shares the GPU of
+    learner rank w (the weight groups' plan relies on it), a node's ranks in ascending GPU order (vLLM numbers a node's
+    workers so); a unit that would split a learner TP group over the nodes is refused naming the key."""
+    colocated = ["run.device=cuda", "train.mode=sync", "cluster.gpus=4", "cluster.placement_timeout_s=20"]
+    engine = ["rollout.executor=ray", "rollout.gpus_per_engine=4", "rollout.tensor_parallel=4"]
+    config = tiny_config(tmp_path, *colocated, *engine, "learner.data_parallel=4")
+    assert config.colocated
+    placement = Placement.reserve(config)
+    try:
+        env = placement.engine_env(0)
+        engine_actor = ray.remote(_ColocatedEngineStandIn).options(**placement.engine_options(0)).remote()
+        own_gpus, workers = ray.get(engine_actor.start_workers.remote(env), timeout=60)
+        where = ray.remote(_bundle_and_gpu)
+        ranks = ray.get([where.options(**placement.learner_options(r)).remote() for r in range(4)], timeout=60)
+    finally:
+        placement.remove()
+    assert own_gpus == [] and env["VLLM_RAY_PER_WORKER_GPUS"] == "0.5"
+    assert workers == ranks, (workers, ranks)
+    assert len({node for node, _ in ranks}) == 2  # 4 GPUs on nodes of 3
+    for node in {node for node, _ in ranks}:
+        gpus = [gpu for n, (gpu,) in ranks if n == node]
+        assert gpus == sorted(gpus)
+    split = tiny_config(tmp_path, *colocated, *engine, "learner.tensor_parallel=2", "learner.data_parallel=2")
+    with pytest.raises(RuntimeError, match=r"learner\.tensor_parallel: a colocated unit of 4 GPUs .* \[3, 1\]"):
+        Placement.reserve(split)
 
 
 def test_layout_and_nodes_are_checked_before_start(tmp_path: Path) -> None:
