@@ -166,6 +166,25 @@ def test_a_colocated_engine_of_the_ray_executor_spans_nodes_beside_its_learner_r
         Placement.reserve(split)
 
 
+def test_a_colocated_engine_of_the_multiprocess_executor_sees_the_gpus_of_its_learner_ranks(
+    two_nodes, tmp_path: Path
+) -> None:
+    """The default executor's workers run beside the engine's actor, which holds half of learner rank 0's GPU and
+    makes the GPUs of ranks 0 and 1 visible, in their order (worker w on rank w's GPU)."""
+    colocated = ["run.device=cuda", "train.mode=sync", "cluster.gpus=2", "cluster.placement_timeout_s=20"]
+    engine = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2", "learner.tensor_parallel=2"]
+    placement = Placement.reserve(tiny_config(tmp_path, *colocated, *engine))
+    try:
+        env = placement.engine_env(0)
+        where = ray.remote(_bundle_and_gpu)
+        ranks = ray.get([where.options(**placement.learner_options(r)).remote() for r in range(2)], timeout=60)
+        engine_actor = ray.get(where.options(**placement.engine_options(0)).remote(), timeout=60)
+    finally:
+        placement.remove()
+    assert env == {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for _, (gpu,) in ranks)}
+    assert engine_actor == ranks[0] and ranks[0][0] == ranks[1][0]  # one node: the workers are its processes
+
+
 def test_layout_and_nodes_are_checked_before_start(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="learner.tensor_parallel: a tensor-parallel group of 8"):
         load_config(CONFIG, ["run.device=cuda", "cluster.gpus_per_node=4", "learner.tensor_parallel=8"])
