@@ -35,7 +35,9 @@ def test_every_row_divides_its_model(path: Path, gpus: int) -> None:
     assert learner.world_size % cluster.nodes == 0 and learner.tensor_parallel <= cluster.gpus_per_node
     # A tensor-parallel group and an engine's tensor-parallel group stay inside a node; engines split the GPUs evenly.
     assert cluster.gpus_per_node % learner.tensor_parallel == 0
-    assert rollout.tensor_parallel <= cluster.gpus_per_node and gpus % rollout.gpus_per_engine == 0
+    # an engine's tensor-parallel group wider than a node runs on vLLM's Ray executor (DeepSeek-V3's TP 32)
+    assert rollout.tensor_parallel <= cluster.gpus_per_node or rollout.executor == "ray"
+    assert gpus % rollout.gpus_per_engine == 0
     assert hf["num_attention_heads"] % rollout.tensor_parallel == 0
     experts = num_experts(hf)
     assert experts % learner.expert_parallel == 0 and experts % rollout.expert_parallel == 0
@@ -121,17 +123,19 @@ def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture
     inside are planned, not trained yet: refused before anything starts. Engines whose GPUs form one tensor-parallel
     group (experts over all or none of them) train, colocated ones too (in sync mode, which the colocated presets
     set; async is refused naming train.mode)."""
-    config = load_config(CONFIGS / "deepseek-v3-671b.yaml", ["cluster.gpus=96"])
+    # The preset's rows as shipped: engines of one tensor-parallel group over 32 GPUs on the Ray executor (as verl
+    # ran them) train at every GPU count.
+    for gpus in (96, 128, 256, 512):
+        check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", [f"cluster.gpus={gpus}"]))
+    mp_executor = ["cluster.gpus=96", "rollout.executor=mp"]
     spans = r"rollout\.gpus_per_engine: an engine of 32 GPUs spans nodes of 8"
     with pytest.raises(ValueError, match=spans):
-        check_trainable(config)
-    # With the Ray executor the engines span nodes; their 4 data-parallel attention ranks are what stays planned,
-    # and engines of one tensor-parallel group over all 32 GPUs (as verl ran them) train.
-    ray_executor = ["cluster.gpus=96", "rollout.executor=ray"]
+        check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", mp_executor))
+    # Four data-parallel attention ranks of TP 8 inside each engine: planned, not trained.
+    attention_ranks = ["cluster.gpus=96", "rollout.tensor_parallel=8"]
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 8 with rollout\.gpus_per_engine 32"):
-        check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", ray_executor))
-    check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", [*ray_executor, "rollout.tensor_parallel=32"]))
-    assert main(["train", "-c", str(CONFIGS / "deepseek-v3-671b.yaml"), "cluster.gpus=96"]) == 2
+        check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", attention_ranks))
+    assert main(["train", "-c", str(CONFIGS / "deepseek-v3-671b.yaml"), *mp_executor]) == 2
     assert "an engine of 32 GPUs spans nodes of 8 (cluster.gpus_per_node)" in capsys.readouterr().err
     data_parallel = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=2"]
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 2 with rollout\.gpus_per_engine 4"):
