@@ -6,9 +6,9 @@ and does nothing off vLLM's CPU platform (its check touches no GPU). The worker 
 process. vLLM's MoE layers
 call them when the experts are spread over data-parallel ranks (each rank's tokens gathered to every rank, the
 experts' outputs summed and scattered back): without them the first forward of such an engine fails on a CPU.
-Semantics are those of vLLM's CUDA communicator, dim 0 only:
-- `all_gatherv(x, dim=0, sizes)`: every rank's rows, concatenated in rank order; `sizes[r]` is rank r's row
-  count (all equal when None); a list of tensors gathers each;
+Semantics are those of vLLM's CUDA communicator (along any dim; vLLM calls them along dim 0):
+- `all_gatherv(x, dim=0, sizes)`: every rank's rows along `dim`, concatenated in rank order; `sizes[r]` is rank r's
+  row count (all equal when None); a list of tensors gathers each;
 - `reduce_scatterv(x, dim, sizes)`: the sum over ranks of `x`, of which rank r keeps rows
   `sum(sizes[:r]) .. sum(sizes[:r+1])` (equal chunks when None).
 Gloo has neither: the gather pads every rank's rows to the largest count, the reduce-scatter all-reduces the whole
@@ -26,22 +26,20 @@ import torch.distributed as dist
 def _all_gatherv(
     self: Any, input_: torch.Tensor | list[torch.Tensor], dim: int = 0, sizes: list[int] | None = None
 ) -> torch.Tensor | list[torch.Tensor]:
-    if dim != 0:
-        raise NotImplementedError("all_gatherv: only dim 0 (as vLLM's CUDA communicator)")
     if isinstance(input_, list):
         return [_all_gatherv(self, x, dim, sizes) for x in input_]
     world = self.world_size
     if world == 1:
         return input_
-    rows = sizes if sizes is not None else [input_.shape[0]] * world
-    if len(rows) != world or input_.shape[0] != rows[self.rank_in_group]:
-        raise ValueError(f"all_gatherv: sizes {rows} do not match {world} ranks with {input_.shape[0]} rows here")
-    longest = max(rows)
-    padded = input_.new_zeros((longest, *input_.shape[1:]))
-    padded[: input_.shape[0]] = input_
+    moved = input_.movedim(dim, 0)
+    rows = sizes if sizes is not None else [moved.shape[0]] * world
+    if len(rows) != world or moved.shape[0] != rows[self.rank_in_group]:
+        raise ValueError(f"all_gatherv: sizes {rows} do not match {world} ranks with {moved.shape[0]} rows here")
+    padded = moved.new_zeros((max(rows), *moved.shape[1:]))
+    padded[: moved.shape[0]] = moved
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous(), group=self.device_group)
-    return torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)])
+    dist.all_gather(parts, padded, group=self.device_group)
+    return torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)]).movedim(0, dim).contiguous()
 
 
 def _reduce_scatterv(self: Any, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:

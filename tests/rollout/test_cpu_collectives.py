@@ -34,9 +34,12 @@ def _collectives_rank(rank: int, port: int, out_dir: Path) -> None:
         communicator = SimpleNamespace(world_size=len(ROWS), rank_in_group=rank, device_group=dist.group.WORLD)
         gathered = cpu_collectives._all_gatherv(communicator, _rows(rank, ROWS[rank]), 0, ROWS)
         pair = cpu_collectives._all_gatherv(communicator, [_rows(rank, ROWS[rank]), -_rows(rank, ROWS[rank])], 0, ROWS)
+        columns = cpu_collectives._all_gatherv(communicator, _rows(rank, ROWS[rank]).T, -1, ROWS)  # along the last dim
         # every rank contributes (rank + 1) x the same 5 x 4 tensor, along dim 1 of a 4 x 5 view (the dim moves)
         scattered = cpu_collectives._reduce_scatterv(communicator, (rank + 1) * _rows(0, 5).T, 1, ROWS)
-        torch.save({"gathered": gathered, "pair": pair, "scattered": scattered}, out_dir / f"rank{rank}.pt")
+        torch.save(
+            {"gathered": gathered, "pair": pair, "columns": columns, "scattered": scattered}, out_dir / f"rank{rank}.pt"
+        )
         dist.destroy_process_group()
 
 
@@ -49,6 +52,7 @@ def test_ranks_gather_and_reduce_scatter_rows_by_their_counts_over_gloo(tmp_path
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(got["gathered"], everyone)
         assert torch.equal(got["pair"][0], everyone) and torch.equal(got["pair"][1], -everyone)
+        assert torch.equal(got["columns"], everyone.T)
         assert torch.equal(got["scattered"], total[:, starts[rank] : starts[rank] + count])
 
 
@@ -60,8 +64,8 @@ def test_row_counts_that_do_not_match_are_refused_before_any_collective() -> Non
         cpu_collectives._reduce_scatterv(lone, torch.zeros(5, 2), 0, [2, 2])
     with pytest.raises(ValueError, match="split evenly"):
         cpu_collectives._reduce_scatterv(lone, torch.zeros(5, 2), 0, None)
-    with pytest.raises(NotImplementedError, match="dim 0"):
-        cpu_collectives._all_gatherv(lone, torch.zeros(2, 2), 1, None)
+    with pytest.raises(ValueError, match="sizes"):
+        cpu_collectives._all_gatherv(lone, torch.zeros(2, 3), 1, [2, 2])  # 3 rows along dim 1, not 2
 
 
 def test_install_fills_in_only_what_the_cpu_communicator_lacks() -> None:
