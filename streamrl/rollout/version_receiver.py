@@ -26,7 +26,9 @@ from concurrent.futures import Future
 from typing import Any, NoReturn
 
 from streamrl.config import Config
-from streamrl.rollout.engine import EngineLost, VLLMEngine
+from streamrl.rollout.data_parallel_engine import DataParallelEngine
+from streamrl.rollout.engine import VLLMEngine
+from streamrl.rollout.request_table import EngineLost
 from streamrl.weights import WeightGroup, join_groups, receive_stages
 
 
@@ -34,7 +36,7 @@ class VersionReceiver:
     def __init__(
         self,
         config: Config,
-        engine: VLLMEngine,
+        engine: VLLMEngine | DataParallelEngine,
         on_loop: Callable[[Callable[[], Any], float], Any],
         loop_running: threading.Event,
         lost: Callable[[str], NoReturn],

@@ -46,10 +46,10 @@ from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
 from streamrl.queue import QueueKeys, SyncBudget, TrajectoryProducer, connect_for, grant_prompts
 from streamrl.rewards import PendingGroup, RewardPool
-from streamrl.rollout.engine import Sample
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
+from streamrl.rollout.request_table import Sample
 from streamrl.rollout.staleness_gate import StalenessGate
 from streamrl.rollout.version_receiver import VersionReceiver
 from streamrl.types import Trajectory, TrajectoryGroup
@@ -82,8 +82,7 @@ class RolloutWorker:
     ):
         from transformers import AutoTokenizer
 
-        from streamrl.rollout.engine import VLLMEngine
-        from streamrl.rollout.engine_settings import engine_settings
+        from streamrl.rollout.engine_settings import start_engine
 
         started = time.perf_counter()
         # A colocated engine of several GPUs: its GPUs, or its workers' bundles (`Placement.engine_env`).
@@ -91,7 +90,7 @@ class RolloutWorker:
         self.config, self.engine_id = config, f"engine-{engine_index}"
         to_run_logs(config.run.dir, self.engine_id, config.run.verbose)
         rollout = config.rollout
-        self.engine = VLLMEngine(str(config.model.path), **engine_settings(config, engine_index))
+        self.engine = start_engine(config, engine_index)
         # vLLM's Ray executor: the workers are actors of their own, on their bundles' nodes and GPUs (this actor holds
         # none), which the placement record lists.
         ray_workers = rollout.executor == "ray"

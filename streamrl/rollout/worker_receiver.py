@@ -6,8 +6,9 @@ Contract
 `collective_rpc` (an engine of several GPUs runs vLLM's multiprocess executor: tensors cannot pass by reference
 from the engine's process to its workers, so each worker is a member of the weight groups itself):
 
-- `streamrl_join_weight_groups(memberships, generation, timeout_s, device)`: the worker of engine rank r joins one
-  new weight group per learner pipeline stage, `memberships[r]`: (host, port, rank, world size) each.
+- `streamrl_join_weight_groups(memberships, generation, timeout_s, device)`: the worker of engine rank r (`engine_rank`:
+  data-parallel ranks' workers follow each other) joins one new weight group per learner pipeline stage,
+  `memberships[r]`: (host, port, rank, world size) each.
 - `streamrl_receive_version()`: receives one version bucket by bucket (`WeightGroup.receive_buckets`: at most two
   buckets staged, never the model) and loads each through vLLM's layerwise reload, whose weight loaders take the
   HF tensors in the learner's full (gathered) layout and keep the slices this worker's TP rank owns, and the experts
@@ -25,13 +26,34 @@ from typing import Any
 
 import torch
 
-from streamrl.rollout.engine import EngineLost
+from streamrl.rollout.request_table import EngineLost
 from streamrl.rollout.weight_checks import validate_bucket, validate_complete
 from streamrl.weights import WeightGroup, join_groups
 
 
 class WeightsLost(EngineLost):
     """A version was applied in part: the worker's weights are a mix of versions and must not be sampled from."""
+
+
+def version_received(answers: list[dict[str, Any]]) -> int:
+    """The version every worker of an engine loaded, from their `streamrl_receive_version` answers: `WeightsLost` when
+    any loaded part of one or they differ, RuntimeError when none changed a weight but some received nothing."""
+    errors = [a["error"] for a in answers if a["error"] is not None]
+    if any(a["lost"] for a in answers):
+        raise WeightsLost(f"weights: a version was loaded in part, the engine cannot run it: {errors}")
+    if errors:
+        raise RuntimeError(f"weights: the engine's workers received no version ({errors}); the old one runs")
+    versions = {a["version"] for a in answers}
+    if len(versions) != 1:
+        raise WeightsLost(f"weights: the engine's workers loaded different versions {sorted(versions)}")
+    return versions.pop()
+
+
+def engine_rank(worker: Any) -> int:
+    """A vLLM worker's position in its engine: data-parallel rank x ranks per data-parallel rank + its own rank (each
+    data-parallel rank of an engine has workers of its own, numbered from 0), so the position of its GPU."""
+    parallel = worker.vllm_config.parallel_config
+    return parallel.data_parallel_rank * parallel.world_size + int(worker.rank)
 
 
 class InWorkerReceiver:
@@ -42,7 +64,7 @@ class InWorkerReceiver:
     ) -> list[int]:
         """Join this worker's weight group of each stage, `memberships[rank]`; returns its rank in each. The groups
         of several stages rendezvous with their senders at once, so they are joined concurrently."""
-        mine = memberships[int(self.rank)]  # type: ignore[attr-defined]
+        mine = memberships[engine_rank(self)]
         self._streamrl_groups = join_groups(mine, generation, timeout_s, device)
         return [rank for _, _, rank, _ in mine]
 
@@ -85,12 +107,12 @@ class InWorkerReceiver:
         placement-group bundle."""
         from streamrl.net import ray_node
 
-        return {"rank": int(self.rank), **ray_node()}  # type: ignore[attr-defined]
+        return {"rank": engine_rank(self), **ray_node()}
 
     def streamrl_worker_info(self) -> dict[str, Any]:
         """This worker's rank in its engine and the bytes of its own (sharded) parameters."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return {
-            "rank": int(self.rank),  # type: ignore[attr-defined]
+            "rank": engine_rank(self),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         }

