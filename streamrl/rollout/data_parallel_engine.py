@@ -97,6 +97,9 @@ class DataParallelEngine(RequestTable):
             worker_extension_cls=EXTENSION_CLS,
             trust_remote_code=trust_remote_code,
             data_parallel_size=data_parallel,
+            data_parallel_backend="mp",
+            # Worker processes beside each rank's core; inside a Ray actor vLLM would otherwise pick its Ray executor.
+            distributed_executor_backend="mp",
             tensor_parallel_size=tensor_parallel,
             enable_expert_parallel=expert_parallel,
             **({"enable_return_routed_experts": True} if record_routes else {}),

