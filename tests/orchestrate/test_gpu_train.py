@@ -6,7 +6,8 @@ and weights updated in place, and checkpoints of CUDA tensors. The parity test p
 from a bf16 learner and compares log-probs at the bf16 tolerance below; on 4 GPUs the same from a TP=2 learner into
 an engine of 2 GPUs (tensor parallel, and a MoE with its experts split over the engine's GPUs), whose workers each
 receive the versions and keep their own shards (also with vLLM's Ray executor, the workers Ray actors in the
-engine's own placement group, as an engine wider than a node runs); and into an engine that drives vLLM's core in a
+engine's own placement group, as an engine wider than a node runs; and into an engine of two data-parallel ranks with
+the experts over both, vLLM's AsyncLLM); and into an engine that drives vLLM's core in a
 process of its own with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the
 learner and the engines (sync mode, vLLM sleeping while the learner trains), publishing over NCCL from a rank on the
 other GPU (the default where the learner's stages have two ranks) or, with `train.colocated_publish=host`, through
@@ -37,6 +38,8 @@ needs_four_gpus = pytest.mark.skipif(
 BF16_PARITY_TOL = 0.01  # max |engine - learner| log-prob per token in bf16 (measured 0.0006 on H200)
 GPU = ["run.device=cuda", "learner.collective_timeout_s=300"]
 BF16 = ["rollout.dtype=bfloat16", "learner.params_dtype=bfloat16"]
+ENGINE_TP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
+MOE_EP2 = ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"]
 
 
 @pytest.mark.gpu
@@ -138,17 +141,16 @@ def _bf16_parity_gap(config: Config) -> float:
 @pytest.mark.parametrize(
     "layout",
     [
-        ["learner.tensor_parallel=2"],
-        ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2"],
-        ["learner.tensor_parallel=2", "rollout.executor=ray"],
+        ["learner.tensor_parallel=2", *ENGINE_TP2],
+        [*MOE_EP2, *ENGINE_TP2, "rollout.expert_parallel=2"],
+        ["learner.tensor_parallel=2", *ENGINE_TP2, "rollout.executor=ray"],
+        # Two data-parallel ranks of one GPU each (`DataParallelEngine`, vLLM's AsyncLLM), the experts over both.
+        [*MOE_EP2, "rollout.gpus_per_engine=2", "rollout.tensor_parallel=1", "rollout.expert_parallel=2"],
     ],
-    ids=["dense-tp2", "moe-ep2", "dense-tp2-ray-executor"],
+    ids=["dense-tp2", "moe-ep2", "dense-tp2-ray-executor", "moe-ep2-engine-dp2"],
 )
 def test_bf16_parity_into_an_engine_of_two_gpus(tmp_path: Path, layout: list[str]) -> None:
-    engine = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
-    if "learner.expert_parallel=2" in layout:
-        engine.append("rollout.expert_parallel=2")
-    config = tiny_config(tmp_path, *GPU, *BF16, *layout, *engine, "wandb.mode=disabled")
+    config = tiny_config(tmp_path, *GPU, *BF16, *layout, "wandb.mode=disabled")
     gap = _bf16_parity_gap(config)
     print(f"bf16 parity into a 2-GPU engine ({layout}): max |engine - learner| = {gap:.4f}")
     assert gap <= BF16_PARITY_TOL
