@@ -18,6 +18,8 @@ Contract
   worker's tensor-parallel slices and experts), every rank's prefix cache is reset with its running requests
   restarted, `policy_version` is set, and the ranks resume together. A version whole on no rank raises RuntimeError
   (the old one runs); in part, or different across ranks, `WeightsLost`; ranks that cannot be reached `EngineLost`.
+- A rank whose process died takes the engine with it: `step()`, `submit()` and `receive_version()` raise `EngineLost`
+  (vLLM's client is errored), and the rollout worker ends its process so that the fleet replaces the engine.
 - `join_weight_groups(memberships, ...)`: engine worker w = data-parallel rank x `tensor_parallel` + its rank in that
   rank (`worker_receiver.engine_rank`), which is also the position of its GPU among the engine's.
 - Not here: sleep mode (colocated engines) and vLLM's Ray executor; `close()` ends the ranks.
@@ -26,11 +28,12 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,12 +130,25 @@ class DataParallelEngine(RequestTable):
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
-        self._collectors[request_id] = self._call(self.llm.add_request(request_id, prompt, params))
+        with self._lost_if_dead("a request"):
+            self._collectors[request_id] = self._call(self.llm.add_request(request_id, prompt, params))
 
     def step(self) -> None:
         """Take the outputs the ranks sent since the last call (waiting up to `_WAIT_S` for one), stamped with the
         current policy version."""
-        self._record(self._call(self._take(_WAIT_S)))
+        with self._lost_if_dead("a decoding step"):
+            outputs = self._call(self._take(_WAIT_S))
+        self._record(outputs)
+
+    @contextlib.contextmanager
+    def _lost_if_dead(self, what: str) -> Iterator[None]:
+        """A rank's process that died takes the engine with it (vLLM's client is then errored): `EngineLost`."""
+        try:
+            yield
+        except Exception as exc:
+            if self.llm.errored:
+                raise EngineLost(f"engine: a data-parallel rank died during {what} ({type(exc).__name__})") from exc
+            raise
 
     async def _take(self, wait_s: float) -> list[tuple[str, Any]]:
         deadline = time.monotonic() + wait_s
@@ -172,22 +188,33 @@ class DataParallelEngine(RequestTable):
         """Every worker of every rank receives and loads the next version; returns it (module docstring)."""
         from streamrl.rollout.worker_receiver import version_received
 
-        self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
         try:
-            self._record(self._call(self._flush()))  # sampled by the old weights
-            try:
-                answers = self._call(self._on_every_rank("collective_rpc", "streamrl_receive_version", None, (), None))
-            except Exception as exc:  # noqa: BLE001 - a rank's process or its workers are gone
-                raise EngineLost(f"weights: the engine's ranks could not receive ({exc})") from exc
+            self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
+            outputs = self._call(self._flush())
+            answers = self._call(self._on_every_rank("collective_rpc", "streamrl_receive_version", None, (), None))
+        except Exception as exc:  # noqa: BLE001 - a rank's process or its workers are gone, or the pause never ended
+            raise EngineLost(f"weights: the engine's ranks could not receive ({type(exc).__name__}: {exc})") from exc
+        self._record(outputs)  # sampled by the old weights
+        try:
             version = version_received([answer for rank in answers for answer in rank])
-            # Running requests recompute their KV under the new weights; no prefix computed by the old ones is kept.
-            if not all(self._call(self._on_every_rank("reset_prefix_cache", True, False))):
-                raise EngineLost("weights: a rank could not reset its prefix cache after a version")
-            self.policy_version = version
-        finally:
-            self._call(self.llm.resume_generation())
+        except EngineLost:  # loaded in part: the ranks must not sample again
+            raise
+        except RuntimeError:  # refused before any weight changed: the old version runs on
+            self._resume()
+            raise
+        # Running requests recompute their KV under the new weights; no prefix computed by the old ones is kept.
+        if not all(self._call(self._on_every_rank("reset_prefix_cache", True, False))):
+            raise EngineLost("weights: a rank could not reset its prefix cache after a version")
+        self.policy_version = version
+        self._resume()
         logger.info("loaded policy version %d in %d ranks x %d workers", version, self.data_parallel, self.workers)
         return version
+
+    def _resume(self) -> None:
+        try:
+            self._call(self.llm.resume_generation())
+        except Exception as exc:  # noqa: BLE001 - a rank that cannot resume cannot sample
+            raise EngineLost(f"engine: the data-parallel ranks did not resume ({type(exc).__name__}: {exc})") from exc
 
     def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
         raise RuntimeError("load_weights: a data-parallel engine's workers receive the versions (receive_version)")

@@ -49,7 +49,7 @@ from streamrl.rewards import PendingGroup, RewardPool
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
-from streamrl.rollout.request_table import Sample
+from streamrl.rollout.request_table import EngineLost, Sample
 from streamrl.rollout.staleness_gate import StalenessGate
 from streamrl.rollout.version_receiver import VersionReceiver
 from streamrl.types import Trajectory, TrajectoryGroup
@@ -277,16 +277,19 @@ class RolloutWorker:
             if len(ids) >= rollout.max_model_len:  # no room for one token: vLLM would refuse it, and on every resume
                 self._skip_too_long(request_id, position, len(ids))
                 continue
-            self.engine.submit(
-                request_id,
-                ids,
-                rollout.n,
-                rollout.max_tokens,
-                rollout.temperature,
-                rollout.top_p,
-                detokenize=False,
-                exact_length=prompt.exact_length,
-            )
+            try:
+                self.engine.submit(
+                    request_id,
+                    ids,
+                    rollout.n,
+                    rollout.max_tokens,
+                    rollout.temperature,
+                    rollout.top_p,
+                    detokenize=False,
+                    exact_length=prompt.exact_length,
+                )
+            except EngineLost:
+                self._engine_lost("vLLM took no more requests")
             self._in_flight[request_id] = (prompt, ids)
             if self.gate is not None:
                 self.gate.started(request_id, self.engine.policy_version)

@@ -3,12 +3,15 @@ ranks by their hidden dimension) fed through one weight group whose receivers ar
 
 A version reaches both ranks and the engine then scores what HF scores with those weights; requests in flight across
 a version keep their tokens, each token stamped with the version that sampled it (old, then new, never mixed back);
-a version refused at its first bucket leaves every rank on the running weights.
+a version refused at its first bucket leaves every rank on the running weights. A rank whose process dies takes the
+engine with it: decoding, a new request and a version all raise `EngineLost` (the rollout worker then ends its
+process and the fleet replaces the engine).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import torch
 
 from streamrl.net import free_port
 from streamrl.rollout.data_parallel_engine import DataParallelEngine
+from streamrl.rollout.request_table import EngineLost
 from streamrl.rollout.worker_receiver import WeightsLost
 from streamrl.weights import WeightGroup
 from tests.rollout.test_engine import _encode, _hf_logprobs, _hf_model
@@ -120,3 +124,28 @@ def test_a_version_refused_at_its_first_bucket_keeps_every_rank_running(
     (samples,) = dp.generate([_encode(moe_dir, PROMPT_TEXT)], n=2, max_tokens=6)
     assert all(s.versions == [2] * len(s.token_ids) and s.token_ids for s in samples)
     assert torch.isfinite(torch.tensor([lp for s in samples for lp in s.logprobs])).all()
+
+
+def test_a_rank_that_dies_takes_the_engine_with_it(moe_dir: Path) -> None:
+    import psutil
+
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}  # the module's engine's processes
+    dp = DataParallelEngine(moe_dir, data_parallel=2, kv_cache_bytes=32 << 20, max_model_len=256, start_timeout_s=300)
+    try:
+        prompt = _encode(moe_dir, PROMPT_TEXT)
+        for i in range(4):
+            dp.submit(f"r-{i}", prompt, n=2, max_tokens=128, exact_length=128)
+        dp.step()
+        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in earlier]
+        (core,) = [p for p in children if p.name().endswith("EngineCore_DP1")]
+        core.kill()
+        deadline = time.monotonic() + 60
+        with pytest.raises(EngineLost, match="a data-parallel rank died during a decoding step"):
+            while time.monotonic() < deadline:
+                dp.step()
+        with pytest.raises(EngineLost, match="a data-parallel rank died during a request"):
+            dp.submit("late", prompt, n=1, max_tokens=4)
+        with pytest.raises(EngineLost, match="the engine's ranks could not receive"):
+            dp.receive_version()
+    finally:
+        dp.close()
