@@ -2,7 +2,8 @@
 next publish fail part-way; that neither hangs the learner nor leaves a half-updated engine, and the
 replacement catches up to the latest version by itself, continuing the dead engine's prompt stream: no prompt
 skipped, none made into two groups. Engines lost while the driver waits for a step's groups are replaced by it. An
-engine of two GPUs that loses one of its vLLM worker processes is replaced the same way."""
+engine of two GPUs that loses one of its vLLM worker processes, or one of its data-parallel ranks, is replaced the
+same way."""
 
 import multiprocessing
 import os
@@ -16,7 +17,7 @@ import ray
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run
 from tests.orchestrate.parity import QUICK_RESTART, assert_every_prompt_once, assert_logprob_parity, tiny_config
-from tests.orchestrate.test_learning import ENGINE_TP2
+from tests.orchestrate.test_learning import ENGINE_DP2, ENGINE_TP2
 
 
 @pytest.mark.slow
@@ -86,16 +87,24 @@ def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -
             cluster.replace_dead_engines()
 
 
-def _vllm_worker_pids(_actor: object) -> list[int]:
-    """Run inside an engine's actor: the pids of its vLLM worker processes."""
-    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("VllmWorker")]
+def _vllm_pids(_actor: object, name: str) -> list[int]:
+    """Run inside an engine's actor: the pids of its vLLM processes whose name starts with `name`."""
+    return [p.pid for p in multiprocessing.active_children() if p.name.startswith(name)]
 
 
 @pytest.mark.slow
-def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "engine, victims",
+    [
+        (ENGINE_TP2, "VllmWorker"),  # one of the two tensor-parallel workers
+        (["model.init_if_missing.arch=qwen3_moe", *ENGINE_DP2], "EngineCore_DP"),  # the second data-parallel rank
+    ],
+    ids=["tp2-worker", "dp2-rank"],
+)
+def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path, engine: list[str], victims: str) -> None:
     config = tiny_config(
         tmp_path,
-        *ENGINE_TP2,
+        *engine,
         QUICK_RESTART,
         "wandb.mode=disabled",
         # The replacement's two workers join a new weight group within this bound; on the 2-core CI machine with the
@@ -108,7 +117,7 @@ def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path) -
         cluster.learner_step(1)
         cluster.publisher.publish(1)
         victim = cluster.engines[0]
-        pids = ray.get(victim.__ray_call__.remote(_vllm_worker_pids), timeout=30)
+        pids = ray.get(victim.__ray_call__.remote(_vllm_pids, victims), timeout=30)
         assert len(pids) == 2, pids
         os.kill(pids[1], signal.SIGKILL)
         cluster.learner_step(2)
