@@ -15,6 +15,10 @@ arrangements, each in a process of its own (one vLLM per process), on the config
 - `worker`: the whole rollout loop (`RolloutWorker.run`: tokenising, decoding off the loop, rewards, pushes into a
   real Redis stream), with the staleness gate off and a backlog that never fills (nothing consumes).
 
+An engine of data-parallel ranks (`rollout.gpus_per_engine` a multiple of `rollout.tensor_parallel`,
+`DataParallelEngine`) runs `engine` and `worker` as a job does, against one standalone ceiling, `vllm`: vLLM's
+`AsyncLLM` with the same ranks generating all the prompts at once.
+
 Each runs until `--groups` groups are done and reports generated tokens/s (response tokens of finished groups over
 the wall time from the first submission), the ratio to standalone vLLM, and, where nvidia-smi exists, the GPU's
 busy fraction over that time. `engine` and `worker` run the engine as the config says: with
@@ -114,6 +118,75 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     }
 
 
+def _standalone_data_parallel(config: Config, groups: int, max_num_seqs: int, sampler: Any) -> dict[str, Any]:
+    """`vllm` for an engine of data-parallel ranks: vLLM's `AsyncLLM` with the same ranks, all prompts at once."""
+    import asyncio
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from streamrl.rollout.engine import EXTENSION_CLS
+    from streamrl.rollout.engine_settings import engine_settings
+
+    rollout, kwargs = config.rollout, engine_settings(config)
+    params = SamplingParams(
+        n=rollout.n,
+        max_tokens=rollout.max_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # one output a request, with all its n completions
+    )
+    prompts = _prompt_ids(config, groups)
+
+    async def run() -> dict[str, Any]:
+        llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=str(config.model.path),
+                dtype=kwargs["dtype"],
+                seed=kwargs["seed"],
+                max_model_len=kwargs["max_model_len"],
+                enforce_eager=kwargs["enforce_eager"],
+                kv_cache_memory_bytes=kwargs["kv_cache_bytes"],
+                logprobs_mode="processed_logprobs",
+                max_num_seqs=max_num_seqs,
+                data_parallel_size=rollout.gpus_per_engine // rollout.tensor_parallel,
+                data_parallel_backend="mp",
+                distributed_executor_backend="mp",
+                tensor_parallel_size=rollout.tensor_parallel,
+                enable_expert_parallel=kwargs["expert_parallel"],
+                # On CPU its workers need the collectives vllm-cpu lacks (`cpu_collectives`, installed by the
+                # extension, which does nothing else while generating).
+                worker_extension_cls=EXTENSION_CLS,
+            )
+        )
+
+        async def one(request_id: str, ids: list[int]) -> int:
+            tokens = 0
+            async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
+                tokens += sum(len(c.token_ids) for c in out.outputs)
+            return tokens
+
+        try:
+            await asyncio.gather(*(one(f"warm-{i}", ids) for i, ids in enumerate(prompts[: min(8, groups)])))
+            sampler.start()
+            started = time.perf_counter()
+            tokens = await asyncio.gather(*(one(f"bench-{i}", ids) for i, ids in enumerate(prompts)))
+            wall = time.perf_counter() - started
+        finally:
+            llm.shutdown()
+        return {"groups": len(tokens), "tokens": sum(tokens), "wall_s": wall, "max_num_seqs": max_num_seqs}
+
+    return asyncio.run(run())
+
+
 def _profile_path(out: Path, which: str) -> Path:
     """Where `--profile` writes arrangement `which`'s loop profile: beside the JSON."""
     return out.with_suffix(f".{which}.profile.txt")
@@ -128,11 +201,10 @@ def _loop_profile(stacks: StackSampler | None) -> dict[str, Any]:
 
 
 def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> dict[str, Any]:
-    from streamrl.rollout.engine import VLLMEngine
-    from streamrl.rollout.engine_settings import engine_settings
+    from streamrl.rollout.engine_settings import start_engine
 
     rollout = config.rollout
-    engine = VLLMEngine(str(config.model.path), **engine_settings(config))
+    engine = start_engine(config)
     prompts = _prompt_ids(config, groups)
     engine.generate(prompts[: min(8, groups)], n=rollout.n, max_tokens=rollout.max_tokens)  # warm-up
     submitted = done = tokens = 0
@@ -156,9 +228,18 @@ def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> di
             done += 1
             tokens += sum(len(s.token_ids) for s in samples)
     wall = time.perf_counter() - started
-    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
-    row = {"groups": done, "tokens": tokens, "wall_s": wall, "max_num_seqs": scheduler.max_num_seqs}
-    return row | _loop_profile(stacks)
+    profiled = _loop_profile(stacks)
+    if _data_parallel(config) > 1:  # vLLM's AsyncLLM: its config is its own attribute; its ranks end here
+        max_num_seqs = engine.llm.vllm_config.scheduler_config.max_num_seqs
+        engine.close()
+    else:
+        max_num_seqs = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    return {"groups": done, "tokens": tokens, "wall_s": wall, "max_num_seqs": max_num_seqs} | profiled
+
+
+def _data_parallel(config: Config) -> int:
+    """The engine's data-parallel ranks (`DataParallelEngine` when more than one)."""
+    return config.rollout.gpus_per_engine // config.rollout.tensor_parallel
 
 
 def _worker(config: Config, groups: int, sampler: Any, profile: bool) -> dict[str, Any]:
@@ -191,7 +272,9 @@ def _worker(config: Config, groups: int, sampler: Any, profile: bool) -> dict[st
 def _run_one(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     """This process's arrangement (`--which`), with the GPU sampled while it generates (start-up excluded)."""
     sampler = GpuSampler()
-    if args.which.startswith("vllm"):
+    if args.which == "vllm" and _data_parallel(config) > 1:
+        row = _standalone_data_parallel(config, args.groups, args.max_num_seqs, sampler)
+    elif args.which.startswith("vllm"):
         row = _standalone(config, args.groups, args.max_num_seqs, sampler, args.which)
     elif args.which == "engine":
         row = _bare_engine(config, args.groups, sampler, args.profile_to is not None)
@@ -229,8 +312,10 @@ def main() -> None:
     ensure_model(config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
+    # An engine of data-parallel ranks runs vLLM's cores in processes of their own already: one standalone ceiling.
+    arrangements = ARRANGEMENTS if _data_parallel(config) == 1 else ("vllm", "engine", "worker")
     # The engine first: standalone vLLM then runs as many sequences at once as the engine could.
-    for which in ("engine", *(a for a in ARRANGEMENTS if a != "engine")):
+    for which in ("engine", *(a for a in arrangements if a != "engine")):
         command = [sys.executable, __file__, "-c", str(args.config), "--groups", str(args.groups), "--which", which]
         if which.startswith("vllm"):
             command += ["--max-num-seqs", str(rows["engine"]["max_num_seqs"])]
@@ -246,7 +331,7 @@ def main() -> None:
     result = {"config": str(args.config), "overrides": args.overrides, "groups": args.groups, "rows": []}
     print("| arrangement | groups | wall s | generated tok/s | vs standalone vLLM | async scheduling | GPU busy |")
     print("|---|---:|---:|---:|---:|---|---:|")
-    for which in ARRANGEMENTS:
+    for which in arrangements:
         row = rows[which]
         rate = row["tokens"] / row["wall_s"]
         result["rows"].append({**row, "tokens_per_s": rate, "vs_vllm": rate / baseline})
