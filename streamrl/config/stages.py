@@ -15,8 +15,10 @@ class RolloutConfig(_Section):
     gpus_per_engine: int = Field(
         1,
         ge=1,
-        description="GPUs one engine spans (its tensor-parallel x data-parallel ranks); streamrl train runs them as "
-        "one tensor-parallel group (rollout.tensor_parallel equal to it), streamrl plan takes data-parallel ranks too.",
+        description="GPUs one engine spans: its tensor-parallel x data-parallel ranks. More than "
+        "rollout.tensor_parallel makes data-parallel ranks (vLLM's data-parallel engine, each rank its own "
+        "sequences), which streamrl train runs on GPUs of their own with the 'mp' executor; streamrl plan takes "
+        "every layout.",
     )
     tensor_parallel: int = Field(
         1, ge=1, description="vLLM tensor-parallel size of one engine; divides gpus_per_engine."
