@@ -28,6 +28,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 _WAIT_S = 0.02  # longest a step() waits for the ranks' next output
 _POLL_S = 0.001
 _CALL_TIMEOUT_S = 600.0  # bound on one call into the client (a version's transfer is the longest)
+_ALIVE_CHECK_S = 0.5  # how often a waiting call looks whether a rank died
 
 
 class DataParallelEngine(RequestTable):
@@ -117,7 +119,21 @@ class DataParallelEngine(RequestTable):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**settings))
 
     def _call(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = _CALL_TIMEOUT_S) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+        """Run `coroutine` on the client's loop and wait for it: `EngineLost` as soon as vLLM's monitor finds a rank's
+        process dead (a call to a dead rank would never be answered), TimeoutError after `timeout_s`."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(min(_ALIVE_CHECK_S, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                llm = getattr(self, "llm", None)  # None while it starts
+                if llm is not None and llm.errored:
+                    future.cancel()
+                    raise EngineLost("engine: a data-parallel rank's process died") from None
+                if time.monotonic() >= deadline:
+                    future.cancel()
+                    raise TimeoutError(f"engine: no answer from the data-parallel ranks within {timeout_s}s") from None
 
     def close(self) -> None:
         """End the ranks' processes and the client's loop."""

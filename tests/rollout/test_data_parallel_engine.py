@@ -139,13 +139,15 @@ def test_a_rank_that_dies_takes_the_engine_with_it(moe_dir: Path) -> None:
         children = [p for p in psutil.Process().children(recursive=True) if p.pid not in earlier]
         (core,) = [p for p in children if p.name().endswith("EngineCore_DP1")]
         core.kill()
-        deadline = time.monotonic() + 60
-        with pytest.raises(EngineLost, match="a data-parallel rank died during a decoding step"):
-            while time.monotonic() < deadline:
-                dp.step()
-        with pytest.raises(EngineLost, match="a data-parallel rank died during a request"):
-            dp.submit("late", prompt, n=1, max_tokens=4)
+        # At once, before anything else notices: a version's calls to the dead rank are never answered, so the wait
+        # for them must end when vLLM's monitor finds the process gone (not at the 600 s bound).
+        started = time.monotonic()
         with pytest.raises(EngineLost, match="the engine's ranks could not receive"):
             dp.receive_version()
+        assert time.monotonic() - started < 30
+        with pytest.raises(EngineLost, match="a data-parallel rank died during a decoding step"):
+            dp.step()
+        with pytest.raises(EngineLost, match="a data-parallel rank died during a request"):
+            dp.submit("late", prompt, n=1, max_tokens=4)
     finally:
         dp.close()
