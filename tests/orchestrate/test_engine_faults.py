@@ -17,7 +17,9 @@ import ray
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run
 from tests.orchestrate.parity import QUICK_RESTART, assert_every_prompt_once, assert_logprob_parity, tiny_config
-from tests.orchestrate.test_learning import ENGINE_DP2, ENGINE_TP2
+from tests.orchestrate.test_learning import ENGINE_TP2
+
+ENGINE_DP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=1"]  # two data-parallel ranks (AsyncLLM)
 
 
 @pytest.mark.slow

@@ -30,7 +30,6 @@ from tests.learner.model.test_gpt import LLAMA3_ROPE
 from tests.orchestrate.parity import CONFIG, assert_logprob_parity, engine_logprobs, tiny_config, train_and_publish
 
 ENGINE_TP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"]
-ENGINE_DP2 = ["rollout.gpus_per_engine=2", "rollout.tensor_parallel=1"]
 
 
 MAX_LINES = 4  # the bar (redrawn in place with carriage returns), the summary, and room for one warning
