@@ -118,11 +118,13 @@ def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path, e
     with Cluster(config) as cluster:
         cluster.learner_step(1)
         cluster.publisher.publish(1)
+        # Step 2 trains before the kill: no group it needs can depend on the engine about to die (the driver, not
+        # this test's bare step, replaces engines lost while a step waits for groups).
+        cluster.learner_step(2)
         victim = cluster.engines[0]
         pids = ray.get(victim.__ray_call__.remote(_vllm_pids, victims), timeout=30)
         assert len(pids) == 2, pids
         os.kill(pids[1], signal.SIGKILL)
-        cluster.learner_step(2)
         cluster.publisher.publish(2)  # meets the engine gone (or going), replaces it and publishes again
         assert cluster.engines_restarted == 1 and cluster.engines[0] is not victim
         assert ray.get(cluster.engines[0].policy_version.remote(), timeout=30) == 2
