@@ -38,7 +38,7 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-from streamrl.rollout.engine import DEFAULT_KV_CACHE_BYTES, EXTENSION_CLS
+from streamrl.rollout.engine import DEFAULT_KV_CACHE_BYTES, vllm_arguments
 from streamrl.rollout.request_table import EngineLost, RequestTable
 
 logger = logging.getLogger(__name__)
@@ -92,22 +92,15 @@ class DataParallelEngine(RequestTable):
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-client", daemon=True)
         self._thread.start()
         settings: dict[str, Any] = dict(
-            model=str(model_path),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            kv_cache_memory_bytes=kv_cache_bytes,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION_CLS,
-            trust_remote_code=trust_remote_code,
+            **vllm_arguments(
+                model_path, dtype, seed, max_model_len, enforce_eager, kv_cache_bytes, trust_remote_code, record_routes
+            ),
             data_parallel_size=data_parallel,
             data_parallel_backend="mp",
             # Worker processes beside each rank's core; inside a Ray actor vLLM would otherwise pick its Ray executor.
             distributed_executor_backend="mp",
             tensor_parallel_size=tensor_parallel,
             enable_expert_parallel=expert_parallel,
-            **({"enable_return_routed_experts": True} if record_routes else {}),
         )
         self.llm = self._call(self._start(settings), start_timeout_s)
 

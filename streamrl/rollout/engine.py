@@ -58,6 +58,33 @@ DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 COLOCATED_STARTUP_FRACTION = 0.1
 
 
+def vllm_arguments(
+    model_path: str | Path,
+    dtype: str,
+    seed: int,
+    max_model_len: int,
+    enforce_eager: bool,
+    kv_cache_bytes: int,
+    trust_remote_code: bool,
+    record_routes: bool,
+) -> dict[str, Any]:
+    """vLLM's engine arguments every streamrl engine sets: the model, its sampling log-probs as sampled, the bounded KV
+    cache and the weight-loading worker extension."""
+    return dict(
+        model=str(model_path),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        enforce_eager=enforce_eager,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION_CLS,
+        trust_remote_code=trust_remote_code,
+        # MoE routing replay: vLLM returns each completion's experts per position and layer when it finishes.
+        **({"enable_return_routed_experts": True} if record_routes else {}),
+    )
+
+
 class VLLMEngine(RequestTable):
     """A vLLM `LLM` driven step by step, plus the policy version its weights correspond to."""
 
@@ -117,17 +144,9 @@ class VLLMEngine(RequestTable):
             {"enable_sleep_mode": True, "gpu_memory_utilization": COLOCATED_STARTUP_FRACTION} if sleep_mode else {}
         )
         self.llm = LLM(
-            model=str(model_path),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            kv_cache_memory_bytes=kv_cache_bytes,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION_CLS,
-            trust_remote_code=trust_remote_code,
-            # MoE routing replay: vLLM returns each completion's experts per position and layer when it finishes.
-            **({"enable_return_routed_experts": True} if record_routes else {}),
+            **vllm_arguments(
+                model_path, dtype, seed, max_model_len, enforce_eager, kv_cache_bytes, trust_remote_code, record_routes
+            ),
             **sharded,
             **colocated,
             **({"async_scheduling": True} if async_scheduling else {}),

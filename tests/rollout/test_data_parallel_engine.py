@@ -24,7 +24,7 @@ from streamrl.rollout.request_table import EngineLost
 from streamrl.rollout.worker_receiver import WeightsLost
 from streamrl.weights import WeightGroup
 from tests.rollout.test_engine import _encode, _hf_logprobs, _hf_model
-from tests.rollout.test_sharded_engine import BUCKET_BYTES, TIMEOUT_S, _in_thread
+from tests.rollout.test_sharded_engine import BUCKET_BYTES, TIMEOUT_S, _in_thread, _publish
 
 PROMPT_TEXT = "<|im_start|>user\nadd 12 and 30<|im_end|>\n<|im_start|>assistant\n"
 
@@ -45,19 +45,6 @@ def engine(moe_dir: Path) -> Iterator[tuple[DataParallelEngine, WeightGroup]]:
     joined()
     yield dp, group
     dp.close()
-
-
-def _publish(
-    engine: DataParallelEngine, group: WeightGroup, version: int, named: list, bucket_bytes: int = BUCKET_BYTES
-) -> int:
-    sent = _in_thread(lambda: group.publish(version, iter(named), bucket_bytes=bucket_bytes))
-    try:
-        return engine.receive_version()
-    finally:
-        try:
-            sent()
-        except ValueError:
-            pass  # a version the test broke on purpose is not committed
 
 
 def _weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
