@@ -70,6 +70,20 @@ def _prompt_ids(config: Config, count: int) -> list[list[int]]:
     ]
 
 
+def _standalone_arguments(config: Config, settings: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
+    """Standalone vLLM's engine arguments: the engine's model, dtype, seed, length, KV cache and sampled log-probs."""
+    return dict(
+        model=str(config.model.path),
+        dtype=settings["dtype"],
+        seed=settings["seed"],
+        max_model_len=settings["max_model_len"],
+        enforce_eager=settings["enforce_eager"],
+        kv_cache_memory_bytes=settings["kv_cache_bytes"],
+        logprobs_mode="processed_logprobs",
+        max_num_seqs=max_num_seqs,
+    )
+
+
 def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, variant: str) -> dict[str, Any]:
     import os
 
@@ -82,14 +96,7 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
 
     rollout, kwargs = config.rollout, engine_settings(config)
     llm = LLM(
-        model=str(config.model.path),
-        dtype=kwargs["dtype"],
-        seed=kwargs["seed"],
-        max_model_len=kwargs["max_model_len"],
-        enforce_eager=kwargs["enforce_eager"],
-        kv_cache_memory_bytes=kwargs["kv_cache_bytes"],
-        logprobs_mode="processed_logprobs",
-        max_num_seqs=max_num_seqs,
+        **_standalone_arguments(config, kwargs, max_num_seqs),
         **({"async_scheduling": True} if variant.endswith("-async") else {}),
     )
     # What vLLM kept (it turns async scheduling off where the platform lacks it, CPU among them).
@@ -149,14 +156,7 @@ def _standalone_data_parallel(config: Config, groups: int, max_num_seqs: int, sa
     async def run() -> dict[str, Any]:
         llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
-                model=str(config.model.path),
-                dtype=kwargs["dtype"],
-                seed=kwargs["seed"],
-                max_model_len=kwargs["max_model_len"],
-                enforce_eager=kwargs["enforce_eager"],
-                kv_cache_memory_bytes=kwargs["kv_cache_bytes"],
-                logprobs_mode="processed_logprobs",
-                max_num_seqs=max_num_seqs,
+                **_standalone_arguments(config, kwargs, max_num_seqs),
                 data_parallel_size=rollout.gpus_per_engine // rollout.tensor_parallel,
                 data_parallel_backend="mp",
                 distributed_executor_backend="mp",
