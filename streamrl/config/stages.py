@@ -17,8 +17,8 @@ class RolloutConfig(_Section):
         ge=1,
         description="GPUs one engine spans: its tensor-parallel x data-parallel ranks. More than "
         "rollout.tensor_parallel makes data-parallel ranks (vLLM's data-parallel engine, each rank its own "
-        "sequences), which streamrl train runs on GPUs of their own with the 'mp' executor; streamrl plan takes "
-        "every layout.",
+        "sequences), which streamrl train runs within a node with the 'mp' executor (on GPUs of their own or "
+        "colocated); streamrl plan takes every layout.",
     )
     tensor_parallel: int = Field(
         1, ge=1, description="vLLM tensor-parallel size of one engine; divides gpus_per_engine."

@@ -137,13 +137,13 @@ def check_trainable(config: Config) -> None:
             f"{per_node} (cluster.gpus_per_node); set rollout.executor=ray (its workers are Ray actors on any node)"
         )
     data_parallel = rollout.gpus_per_engine // rollout.tensor_parallel
-    if data_parallel > 1 and (rollout.executor == "ray" or config.colocated):
-        # `DataParallelEngine`: vLLM's data-parallel ranks as processes beside the engine's actor, GPUs of their own.
+    if data_parallel > 1 and rollout.executor == "ray":
+        # `DataParallelEngine`: vLLM's data-parallel ranks as processes beside the engine's actor, one node's GPUs.
         raise ValueError(
             f"rollout.tensor_parallel: {rollout.tensor_parallel} with rollout.gpus_per_engine "
             f"{rollout.gpus_per_engine} makes {data_parallel} data-parallel ranks an engine, which streamrl train runs "
-            "on GPUs of their own with the 'mp' executor (not colocated, not on Ray's); make them equal for one "
-            "tensor-parallel group"
+            "with the 'mp' executor (its ranks are processes beside the engine's actor, on one node); set "
+            "rollout.executor=mp, or make them equal for one tensor-parallel group"
         )
     if data_parallel > 1 and config.run.device == "cpu" and rollout.expert_parallel > 1:
         raise ValueError(

@@ -20,9 +20,12 @@ Contract
   (the old one runs); in part, or different across ranks, `WeightsLost`; ranks that cannot be reached `EngineLost`.
 - A rank whose process died takes the engine with it: `step()`, `submit()` and `receive_version()` raise `EngineLost`
   (vLLM's client is errored), and the rollout worker ends its process so that the fleet replaces the engine.
+  `lost()` sees it without a call (vLLM's monitor of the ranks' processes), so an idle engine is replaced too.
 - `join_weight_groups(memberships, ...)`: engine worker w = data-parallel rank x `tensor_parallel` + its rank in that
   rank (`worker_receiver.engine_rank`), which is also the position of its GPU among the engine's.
-- Not here: sleep mode (colocated engines) and vLLM's Ray executor; `close()` ends the ranks.
+- `sleep_mode` (colocated on the learner's GPUs): `sleep()` / `wake(tags)` as `request_table` says, on every rank at
+  once. A version reaching a sleeping engine (weights woken, no request running) needs no pause.
+- Not here: vLLM's Ray executor or Ray data-parallel backend (ranks on other nodes); `close()` ends the ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-from streamrl.rollout.engine import DEFAULT_KV_CACHE_BYTES, vllm_arguments
+from streamrl.rollout.engine import COLOCATED_STARTUP_FRACTION, DEFAULT_KV_CACHE_BYTES, vllm_arguments
 from streamrl.rollout.request_table import EngineLost, RequestTable
 
 logger = logging.getLogger(__name__)
@@ -52,8 +55,6 @@ _ALIVE_CHECK_S = 0.5  # how often a waiting call looks whether a rank died
 class DataParallelEngine(RequestTable):
     """vLLM's data-parallel ranks behind one request table and one policy version."""
 
-    sleep_mode = False
-    sleeping = False
     engine_process = True  # the ranks' workers receive the versions themselves (never by reference)
 
     def __init__(
@@ -69,6 +70,7 @@ class DataParallelEngine(RequestTable):
         enforce_eager: bool = True,
         record_routes: bool = False,
         trust_remote_code: bool = False,
+        sleep_mode: bool = False,
         start_timeout_s: float = 600.0,
     ) -> None:
         if data_parallel < 2:
@@ -102,6 +104,9 @@ class DataParallelEngine(RequestTable):
             tensor_parallel_size=tensor_parallel,
             enable_expert_parallel=expert_parallel,
         )
+        self.sleep_mode = sleep_mode
+        if sleep_mode:
+            settings.update(enable_sleep_mode=True, gpu_memory_utilization=COLOCATED_STARTUP_FRACTION)
         self.llm = self._call(self._start(settings), start_timeout_s)
 
     @staticmethod
@@ -127,6 +132,9 @@ class DataParallelEngine(RequestTable):
                 if time.monotonic() >= deadline:
                     future.cancel()
                     raise TimeoutError(f"engine: no answer from the data-parallel ranks within {timeout_s}s") from None
+
+    def lost(self) -> bool:
+        return bool(getattr(self, "llm", None) is not None and self.llm.errored)
 
     def close(self) -> None:
         """End the ranks' processes and the client's loop."""
@@ -197,8 +205,10 @@ class DataParallelEngine(RequestTable):
         """Every worker of every rank receives and loads the next version; returns it (module docstring)."""
         from streamrl.rollout.worker_receiver import version_received
 
+        paused = not self.sleeping  # asleep, no request runs (`sleep`) and vLLM's schedulers are paused already
         try:
-            self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
+            if paused:
+                self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
             outputs = self._call(self._flush())
             answers = self._call(self._on_every_rank("collective_rpc", "streamrl_receive_version", None, (), None))
         except Exception as exc:  # noqa: BLE001 - a rank's process or its workers are gone, or the pause never ended
@@ -209,13 +219,15 @@ class DataParallelEngine(RequestTable):
         except EngineLost:  # loaded in part: the ranks must not sample again
             raise
         except RuntimeError:  # refused before any weight changed: the old version runs on
-            self._resume()
+            if paused:
+                self._resume()
             raise
         # Running requests recompute their KV under the new weights; no prefix computed by the old ones is kept.
         if not all(self._call(self._on_every_rank("reset_prefix_cache", True, False))):
             raise EngineLost("weights: a rank could not reset its prefix cache after a version")
         self.policy_version = version
-        self._resume()
+        if paused:
+            self._resume()
         logger.info("loaded policy version %d in %d ranks x %d workers", version, self.data_parallel, self.workers)
         return version
 
@@ -228,8 +240,13 @@ class DataParallelEngine(RequestTable):
     def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
         raise RuntimeError("load_weights: a data-parallel engine's workers receive the versions (receive_version)")
 
-    def sleep(self) -> int:
-        raise RuntimeError("engine: a data-parallel engine has no sleep mode here (colocated engines are single-rank)")
+    # -- sleep (colocated) --------------------------------------------------------------------------
+    def _free_memory(self) -> list[int]:
+        ranks = self._call(self._on_every_rank("collective_rpc", "streamrl_free_memory", None, (), None))
+        return [free for rank in ranks for free in rank]
 
-    def wake(self, tags: list[str] | None = None) -> None:
-        raise RuntimeError("engine: a data-parallel engine has no sleep mode here (colocated engines are single-rank)")
+    def _sleep(self) -> None:
+        self._call(self.llm.sleep(level=1))
+
+    def _wake_up(self, tags: list[str]) -> None:
+        self._call(self.llm.wake_up(tags))

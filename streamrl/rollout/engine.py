@@ -139,7 +139,6 @@ class VLLMEngine(RequestTable):
         )
 
         self.sleep_mode = sleep_mode
-        self._asleep: set[str] = set()  # what a sleeping engine has freed and not brought back yet
         colocated: dict[str, Any] = (
             {"enable_sleep_mode": True, "gpu_memory_utilization": COLOCATED_STARTUP_FRACTION} if sleep_mode else {}
         )
@@ -161,29 +160,21 @@ class VLLMEngine(RequestTable):
         """One engine step; the new tokens are stamped with the current policy version."""
         self._record((out.request_id, out) for out in self.llm.llm_engine.step())
 
-    def sleep(self) -> int:
-        """Free this engine's GPU memory (weights to the host, KV cache dropped) while no request runs; returns the
-        bytes freed on its GPUs (summed over its workers)."""
-        if not self.sleep_mode:
-            raise RuntimeError("engine: sleep needs an engine started with sleep_mode")
-        if self.has_unfinished():
-            raise RuntimeError("engine: cannot sleep while requests run")
-        before = self.llm.collective_rpc("streamrl_free_memory")
+    def lost(self) -> bool:
+        """Whether vLLM's engine core process (`engine_process`) or one of its workers' processes died."""
+        core = self.llm.llm_engine.engine_core
+        if self.engine_process:
+            return bool(core.resources.engine_dead)
+        return bool(getattr(core.engine_core.model_executor, "is_failed", False))
+
+    def _free_memory(self) -> list[int]:
+        return self.llm.collective_rpc("streamrl_free_memory")
+
+    def _sleep(self) -> None:
         self.llm.sleep(level=1)
-        self._asleep = {"weights", "kv_cache"}
-        after = self.llm.collective_rpc("streamrl_free_memory")
-        return sum(after) - sum(before)
 
-    @property
-    def sleeping(self) -> bool:
-        return bool(self._asleep)
-
-    def wake(self, tags: list[str] | None = None) -> None:
-        """Bring back `tags` ("weights", "kv_cache"; None: all) of a sleeping engine; it runs once all are back."""
-        waking = sorted(self._asleep if tags is None else self._asleep & set(tags))
-        if waking:
-            self.llm.wake_up(tags=waking)
-            self._asleep -= set(waking)
+    def _wake_up(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
 
     def begin_streamed_load(self) -> bool:
         """Whether the next version can be loaded bucket by bucket as it arrives (see `worker_extension`)."""

@@ -65,4 +65,5 @@ _DATA_PARALLEL_SETTINGS = (
     "enforce_eager",
     "record_routes",
     "trust_remote_code",
+    "sleep_mode",
 )

@@ -12,6 +12,13 @@ Contract
   sampled (`logprobs_mode="processed_logprobs"`: after temperature, and top-p/top-k renormalisation when set).
 - `generate(...)` and `score(...)` are built on the same table, so they can run while other requests are in flight
   without stealing their outputs.
+- Sleep (an engine started with `sleep_mode`, colocated on the learner's GPUs): `sleep()` frees the engine's GPU
+  memory while no request runs (weights to the host, KV cache dropped: vLLM's level 1, which keeps the old weights so
+  that a version refused before its first bucket still leaves the engine able to run) and returns the bytes freed on
+  its GPUs; `wake(tags)` brings back "weights" (for a publish), then "kv_cache" (None: both); `sleeping` is true until
+  both are back. A subclass gives `_free_memory()` (free bytes on each of its GPUs), `_sleep()` and `_wake_up(tags)`.
+- `lost()`: whether a process of the engine's vLLM died, seen without asking it anything (the rollout worker's loop
+  looks each turn, so an engine with nothing to decode is replaced too); the next call would raise `EngineLost`.
 """
 
 from __future__ import annotations
@@ -51,7 +58,10 @@ class Sample:
 class RequestTable(abc.ABC):
     """Requests in flight and finished, and the policy version the engine's weights correspond to."""
 
+    sleep_mode = False  # set by a subclass started with vLLM's sleep mode
+
     def __init__(self) -> None:
+        self._asleep: set[str] = set()  # what a sleeping engine has freed and not brought back yet
         self.policy_version: int = 0
         self._running: dict[str, list[Sample]] = {}  # request id -> its n samples, filled step by step
         self._finished: dict[str, list[Sample]] = {}
@@ -66,6 +76,43 @@ class RequestTable(abc.ABC):
     def step(self) -> None:
         """Take vLLM's new outputs into the table (`_record`), stamped with the current policy version."""
 
+    def lost(self) -> bool:
+        """Whether a process of this engine's vLLM died (module docstring); an engine in this process: never."""
+        return False
+
+    # -- sleep (colocated) --------------------------------------------------------------------------
+    def sleep(self) -> int:
+        """Free this engine's GPU memory while no request runs; returns the bytes freed on its GPUs."""
+        if not self.sleep_mode:
+            raise RuntimeError("engine: sleep needs an engine started with sleep_mode")
+        if self.has_unfinished():
+            raise RuntimeError("engine: cannot sleep while requests run")
+        before = sum(self._free_memory())
+        self._sleep()
+        self._asleep = {"weights", "kv_cache"}
+        return sum(self._free_memory()) - before
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"; None: all) of a sleeping engine; it runs once all are back."""
+        waking = sorted(self._asleep if tags is None else self._asleep & set(tags))
+        if waking:
+            self._wake_up(waking)
+            self._asleep -= set(waking)
+
+    def _free_memory(self) -> list[int]:
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def _sleep(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def _wake_up(self, tags: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    # -- requests -----------------------------------------------------------------------------------
     def submit(
         self,
         request_id: str,

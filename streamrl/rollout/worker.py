@@ -158,6 +158,8 @@ class RolloutWorker:
             self._loop_running.set()
         try:
             while not self._stop.is_set():
+                if self.engine.lost():  # seen here too when nothing is decoding (its outbox full, asleep)
+                    self._engine_lost("a process of its vLLM died")
                 self._run_tasks()
                 self.receiver.apply_pending()
                 self.outbox.check()

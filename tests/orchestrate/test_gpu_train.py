@@ -11,7 +11,8 @@ the experts over both, vLLM's AsyncLLM); and into an engine that drives vLLM's c
 process of its own with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the
 learner and the engines (sync mode, vLLM sleeping while the learner trains), publishing over NCCL from a rank on the
 other GPU (the default where the learner's stages have two ranks) or, with `train.colocated_publish=host`, through
-host memory, and with an engine of vLLM's Ray executor whose workers share the learner ranks' GPUs.
+host memory, with an engine of vLLM's Ray executor whose workers share the learner ranks' GPUs, and with an engine of
+two data-parallel ranks (a MoE, its experts over both) that sleep and wake together.
 """
 
 from __future__ import annotations
@@ -67,12 +68,15 @@ def test_train_on_gpus_finishes_and_learns(tmp_path: Path) -> None:
         ["learner.tensor_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"],
         ["learner.data_parallel=2", "rollout.engines=2", "train.colocated_publish=host"],
         ["learner.data_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2", "rollout.executor=ray"],
+        # Two data-parallel ranks (`DataParallelEngine`), one on each GPU, the experts over both.
+        [*MOE_EP2, "rollout.gpus_per_engine=2", "rollout.tensor_parallel=1", "rollout.expert_parallel=2"],
     ],
     ids=[
         "dp2-two-engines",
         "tp2-one-engine-of-two-gpus",
         "dp2-two-engines-publish-through-host",
         "dp2-one-engine-of-two-gpus-ray-executor",
+        "moe-ep2-one-engine-of-two-data-parallel-ranks",
     ],
 )
 def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[str]) -> None:

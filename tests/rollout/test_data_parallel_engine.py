@@ -4,8 +4,8 @@ ranks by their hidden dimension) fed through one weight group whose receivers ar
 A version reaches both ranks and the engine then scores what HF scores with those weights; requests in flight across
 a version keep their tokens, each token stamped with the version that sampled it (old, then new, never mixed back);
 a version refused at its first bucket leaves every rank on the running weights. A rank whose process dies takes the
-engine with it: decoding, a new request and a version all raise `EngineLost` (the rollout worker then ends its
-process and the fleet replaces the engine).
+engine with it: `lost()` shows it without a call, and decoding, a new request and a version all raise `EngineLost`
+(the rollout worker then ends its process and the fleet replaces the engine).
 """
 
 from __future__ import annotations
@@ -126,8 +126,13 @@ def test_a_rank_that_dies_takes_the_engine_with_it(moe_dir: Path) -> None:
         children = [p for p in psutil.Process().children(recursive=True) if p.pid not in earlier]
         (core,) = [p for p in children if p.name().endswith("EngineCore_DP1")]
         core.kill()
-        # At once, before anything else notices: a version's calls to the dead rank are never answered, so the wait
-        # for them must end when vLLM's monitor finds the process gone (not at the 600 s bound).
+        # Seen without asking the engine anything (the rollout worker's loop looks each turn, decoding or not).
+        started = time.monotonic()
+        while not dp.lost() and time.monotonic() - started < 30:
+            time.sleep(0.1)
+        assert dp.lost()
+        # A version's calls to the dead rank are never answered: the wait for them ends on the dead rank (not at the
+        # 600 s bound).
         started = time.monotonic()
         with pytest.raises(EngineLost, match="the engine's ranks could not receive"):
             dp.receive_version()
