@@ -87,6 +87,10 @@ def _optimizer_tensors(optimizer: Any, seen: set[int]) -> Iterator[torch.Tensor]
         for inner in optimizer:
             yield from _optimizer_tensors(inner, seen)
         return
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:  # Megatron's chained optimizer (dense and expert parts): its `optimizer` asserts one part
+        yield from _optimizer_tensors(chained, seen)
+        return
     for group in getattr(optimizer, "param_groups", []):
         for parameter in group["params"]:
             yield parameter
@@ -98,5 +102,5 @@ def _optimizer_tensors(optimizer: Any, seen: set[int]) -> Iterator[torch.Tensor]
             if isinstance(values, dict):
                 yield from (value for value in values.values() if isinstance(value, torch.Tensor))
     # Megatron wraps torch optimizers: chained (one per parameter kind), distributed, hybrid (GPU + CPU parts).
-    for attribute in ("chained_optimizers", "optimizer", "gpu_optimizer", "cpu_optimizers", "sub_optimizers"):
+    for attribute in ("optimizer", "gpu_optimizer", "cpu_optimizers", "sub_optimizers"):
         yield from _optimizer_tensors(getattr(optimizer, attribute, None), seen)

@@ -28,6 +28,32 @@ def test_training_tensors_lists_weights_gradients_and_optimizer_state() -> None:
     assert parking.park() == 0 and not parking.parked
 
 
+def test_training_tensors_walks_every_part_of_a_chained_optimizer() -> None:
+    """A MoE learner with expert parallelism gets Megatron's chained optimizer (dense and expert parameters apart),
+    whose `optimizer` asserts a single part: every part's parameters, gradients and state are listed."""
+    from streamrl.learner.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()  # Megatron's optimizers keep a loss scale on "cuda"
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    torch.manual_seed(0)
+    dense, experts = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+    config = OptimizerConfig(lr=1e-2)
+    parts = [FP32Optimizer(torch.optim.Adam(m.parameters(), lr=1e-2), config, None) for m in (dense, experts)]
+    chained = ChainedOptimizer(parts)
+    experts(dense(torch.randn(3, 8))).square().sum().backward()
+    for part in parts:
+        part.optimizer.step()
+    with pytest.raises(AssertionError, match="more than one optimizer"):
+        _ = chained.optimizer
+    listed = {id(t) for t in training_tensors([dense, experts], chained)}
+    for parameter in [*dense.parameters(), *experts.parameters()]:
+        assert id(parameter) in listed and id(parameter.grad) in listed
+    states = [value for part in parts for state in part.optimizer.state.values() for value in state.values()]
+    assert all(id(value) in listed for value in states if isinstance(value, torch.Tensor))
+
+
 @pytest.mark.gpu
 def test_parked_state_frees_the_gpu_and_comes_back_bit_for_bit() -> None:
     model, optimizer = _model_and_optimizer("cuda")
