@@ -159,7 +159,10 @@ class DataParallelEngine(RequestTable):
 
     @contextlib.contextmanager
     def _lost_if_dead(self, what: str) -> Iterator[None]:
-        """A rank's process that died takes the engine with it (vLLM's client is then errored): `EngineLost`."""
+        """A rank's process that died takes the engine with it (vLLM's client is then errored): `EngineLost`, also
+        when it died before (the call may not touch the dead rank, nor find vLLM's error: a collector hands it once)."""
+        if self.lost():
+            raise EngineLost(f"engine: a data-parallel rank died before {what}")
         try:
             yield
         except Exception as exc:

@@ -14,8 +14,7 @@ Threads of the actor and what they own:
 - the outbox's pusher: the only thread that writes to the stream (and encodes the groups it pushes).
 - receivers (`receive_weights()`): `version_receiver.py` receives each version (staged, streamed, or in the vLLM
   workers of an engine of several GPUs) and has the loop apply it whole between two steps (invariant 3). A version
-  lost half way, or a failed decoding step (a vLLM worker process died), ends this process: a lost engine is
-  replaced by the fleet, not the end of the job.
+  lost half way or a dead vLLM process (a failed step; `engine.lost()` at each turn, idle or not) ends this process.
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
 Sync mode: the loop starts only the prompts of this engine's budget for the step (`streamrl.queue.sync_budget`, in
 Redis), under the announced version; `step_done()` tells the driver that they are all in the stream. Colocated (the
@@ -158,7 +157,7 @@ class RolloutWorker:
             self._loop_running.set()
         try:
             while not self._stop.is_set():
-                if self.engine.lost():  # seen here too when nothing is decoding (its outbox full, asleep)
+                if self.engine.lost():  # also while nothing decodes (its outbox full, asleep)
                     self._engine_lost("a process of its vLLM died")
                 self._run_tasks()
                 self.receiver.apply_pending()
@@ -322,8 +321,7 @@ class RolloutWorker:
         still = []
         for finished in self._scoring:
             if finished.scoring is None and finished.texts.done():
-                prompt = finished.prompt
-                responses = finished.texts.result()
+                prompt, responses = finished.prompt, finished.texts.result()
                 finished.scoring = self.rewards.submit(finished.request_id, prompt.text, prompt.answer, responses)
             rewards = None if finished.scoring is None else self.rewards.collect(finished.scoring)
             if rewards is None:

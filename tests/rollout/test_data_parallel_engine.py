@@ -137,9 +137,9 @@ def test_a_rank_that_dies_takes_the_engine_with_it(moe_dir: Path) -> None:
         with pytest.raises(EngineLost, match="the engine's ranks could not receive"):
             dp.receive_version()
         assert time.monotonic() - started < 30
-        with pytest.raises(EngineLost, match="a data-parallel rank died during a decoding step"):
+        with pytest.raises(EngineLost, match="a data-parallel rank died (during|before) a decoding step"):
             dp.step()
-        with pytest.raises(EngineLost, match="a data-parallel rank died during a request"):
+        with pytest.raises(EngineLost, match="a data-parallel rank died (during|before) a request"):
             dp.submit("late", prompt, n=1, max_tokens=4)
     finally:
         dp.close()
