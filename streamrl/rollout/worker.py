@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -121,11 +122,10 @@ class RolloutWorker:
         self.budget = SyncBudget(self.redis, self.keys, self.engine_id) if config.train.mode == "sync" else None
         self._budget_next = 0.0
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
-        self._loop_running = threading.Event()
+        self._loop_running, self._stop = threading.Event(), threading.Event()
         # Held while vLLM is driven without the loop (a task run inline) and while the loop starts or ends: vLLM is
         # never driven from two threads (a score racing the loop's start broke vLLM's batch: KeyError, engine lost).
         self._inline = threading.RLock()
-        self._stop = threading.Event()
         self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
         self.tokens_generated, self.prompts_too_long = 0, 0
         # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
@@ -194,7 +194,7 @@ class RolloutWorker:
     def _engine_lost(self, what: str) -> NoReturn:
         """End this process: the fleet replaces a dead engine (bounded by rollout.max_engine_restarts), which resumes
         this engine's prompt stream and catches up to the latest version; an exception would end the job instead."""
-        logger.exception("%s: %s; ending so that the engine is replaced", self.engine_id, what)
+        logger.error("%s: %s; ending so that the engine is replaced", self.engine_id, what, exc_info=sys.exc_info()[1])
         logging.shutdown()
         os._exit(1)
 
