@@ -90,25 +90,18 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     # `vllm`: the engine core in this process, as the engine runs it; the others in a process of its own (stepping
     # in a busy loop while this one handles outputs), `-async` also scheduling the next step while one runs.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if variant == "vllm" else "1"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from streamrl.rollout.engine_settings import engine_settings
 
-    rollout, kwargs = config.rollout, engine_settings(config)
+    kwargs = engine_settings(config)
     llm = LLM(
         **_standalone_arguments(config, kwargs, max_num_seqs),
         **({"async_scheduling": True} if variant.endswith("-async") else {}),
     )
     # What vLLM kept (it turns async scheduling off where the platform lacks it, CPU among them).
     async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
-    params = SamplingParams(
-        n=rollout.n,
-        max_tokens=rollout.max_tokens,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        logprobs=0,
-        detokenize=False,
-    )
+    params = _sampling_params(config)
     prompts = [{"prompt_token_ids": ids} for ids in _prompt_ids(config, groups)]
     llm.generate(prompts[: min(8, groups)], params, use_tqdm=False)  # warm-up: first-call compilation stays out
     sampler.start()
@@ -125,6 +118,22 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     }
 
 
+def _sampling_params(config: Config, **extra: Any) -> Any:
+    """The engine's sampling for the standalone ceilings: `rollout.n` samples, behaviour log-probs, no text."""
+    from vllm import SamplingParams
+
+    rollout = config.rollout
+    return SamplingParams(
+        n=rollout.n,
+        max_tokens=rollout.max_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        logprobs=0,
+        detokenize=False,
+        **extra,
+    )
+
+
 def _standalone_data_parallel(config: Config, groups: int, max_num_seqs: int, sampler: Any) -> dict[str, Any]:
     """`vllm` for an engine of data-parallel ranks: vLLM's `AsyncLLM` with the same ranks, all prompts at once."""
     import asyncio
@@ -132,7 +141,6 @@ def _standalone_data_parallel(config: Config, groups: int, max_num_seqs: int, sa
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -142,15 +150,7 @@ def _standalone_data_parallel(config: Config, groups: int, max_num_seqs: int, sa
     from streamrl.rollout.engine_settings import engine_settings
 
     rollout, kwargs = config.rollout, engine_settings(config)
-    params = SamplingParams(
-        n=rollout.n,
-        max_tokens=rollout.max_tokens,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        logprobs=0,
-        detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,  # one output a request, with all its n completions
-    )
+    params = _sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY)  # one output a request, all n
     prompts = _prompt_ids(config, groups)
 
     async def run() -> dict[str, Any]:

@@ -103,14 +103,17 @@ class RequestTable(abc.ABC):
             self._wake_up(waking)
             self._asleep -= set(waking)
 
+    @abc.abstractmethod
     def _free_memory(self) -> list[int]:
-        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+        """Free bytes on each of the engine's GPUs."""
 
+    @abc.abstractmethod
     def _sleep(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+        """vLLM's sleep level 1 on every worker."""
 
+    @abc.abstractmethod
     def _wake_up(self, tags: list[str]) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+        """vLLM's wake-up of `tags` on every worker."""
 
     # -- requests -----------------------------------------------------------------------------------
     def submit(
