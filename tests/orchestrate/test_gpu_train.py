@@ -8,11 +8,12 @@ an engine of 2 GPUs (tensor parallel, and a MoE with its experts split over the 
 receive the versions and keep their own shards (also with vLLM's Ray executor, the workers Ray actors in the
 engine's own placement group, as an engine wider than a node runs; and into an engine of two data-parallel ranks with
 the experts over both, vLLM's AsyncLLM); and into an engine that drives vLLM's core in a
-process of its own with async scheduling (`rollout.engine_process`). The colocated test shares both GPUs between the
-learner and the engines (sync mode, vLLM sleeping while the learner trains), publishing over NCCL from a rank on the
-other GPU (the default where the learner's stages have two ranks) or, with `train.colocated_publish=host`, through
-host memory, with an engine of vLLM's Ray executor whose workers share the learner ranks' GPUs, and with an engine of
-two data-parallel ranks (a MoE, its experts over both) that sleep and wake together.
+process of its own with async scheduling (`rollout.engine_process`). The colocated test shares the GPUs between the
+learner and the engines (sync mode, vLLM sleeping while the learner trains): on one GPU, versions through host memory;
+on two, publishing over NCCL from a rank on the other GPU (the default where the learner's stages have two ranks) or,
+with `train.colocated_publish=host`, through host memory, with an engine of vLLM's Ray executor whose workers share
+the learner ranks' GPUs, and with an engine of two data-parallel ranks (a MoE, its experts over both) that sleep and
+wake together.
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ from streamrl.orchestrate.driver import prepare_run, train
 from tests.orchestrate.parity import engine_logprobs, learner_logprobs, tiny_config, train_and_publish
 
 torch = pytest.importorskip("torch")
-needs_two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
-needs_four_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"
-)
+
+
+def needs_gpus(count: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < count, reason=f"needs {count} CUDA GPUs"
+    )
+
+
+def colocated_on(gpus: int, *layout: str, id: str) -> object:
+    """A colocated case on `gpus` GPUs, skipped on a machine with fewer."""
+    return pytest.param([f"cluster.gpus={gpus}", *layout], id=id, marks=needs_gpus(gpus))
+
+
+needs_two_gpus = needs_gpus(2)
+needs_four_gpus = needs_gpus(4)
 BF16_PARITY_TOL = 0.01  # max |engine - learner| log-prob per token in bf16 (measured 0.0006 on H200)
 GPU = ["run.device=cuda", "learner.collective_timeout_s=300"]
 BF16 = ["rollout.dtype=bfloat16", "learner.params_dtype=bfloat16"]
@@ -60,23 +70,43 @@ def test_train_on_gpus_finishes_and_learns(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@needs_two_gpus
 @pytest.mark.parametrize(
     "layout",
     [
-        ["learner.data_parallel=2", "rollout.engines=2"],
-        ["learner.tensor_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2"],
-        ["learner.data_parallel=2", "rollout.engines=2", "train.colocated_publish=host"],
-        ["learner.data_parallel=2", "rollout.gpus_per_engine=2", "rollout.tensor_parallel=2", "rollout.executor=ray"],
+        # One GPU: the learner's single rank and a one-GPU engine take turns on it, versions through host memory.
+        colocated_on(1, id="one-gpu"),
+        colocated_on(2, "learner.data_parallel=2", "rollout.engines=2", id="dp2-two-engines"),
+        colocated_on(
+            2,
+            "learner.tensor_parallel=2",
+            "rollout.gpus_per_engine=2",
+            "rollout.tensor_parallel=2",
+            id="tp2-one-engine-of-two-gpus",
+        ),
+        colocated_on(
+            2,
+            "learner.data_parallel=2",
+            "rollout.engines=2",
+            "train.colocated_publish=host",
+            id="dp2-two-engines-publish-through-host",
+        ),
+        colocated_on(
+            2,
+            "learner.data_parallel=2",
+            "rollout.gpus_per_engine=2",
+            "rollout.tensor_parallel=2",
+            "rollout.executor=ray",
+            id="dp2-one-engine-of-two-gpus-ray-executor",
+        ),
         # Two data-parallel ranks (`DataParallelEngine`), one on each GPU, the experts over both.
-        [*MOE_EP2, "rollout.gpus_per_engine=2", "rollout.tensor_parallel=1", "rollout.expert_parallel=2"],
-    ],
-    ids=[
-        "dp2-two-engines",
-        "tp2-one-engine-of-two-gpus",
-        "dp2-two-engines-publish-through-host",
-        "dp2-one-engine-of-two-gpus-ray-executor",
-        "moe-ep2-one-engine-of-two-data-parallel-ranks",
+        colocated_on(
+            2,
+            *MOE_EP2,
+            "rollout.gpus_per_engine=2",
+            "rollout.tensor_parallel=1",
+            "rollout.expert_parallel=2",
+            id="moe-ep2-one-engine-of-two-data-parallel-ranks",
+        ),
     ],
 )
 def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[str]) -> None:
@@ -84,17 +114,18 @@ def test_colocated_sync_shares_the_gpus_and_learns(tmp_path: Path, layout: list[
     trains, and every version reaches them whole. With vLLM's Ray executor (as an engine wider than a node runs),
     the engine's workers are Ray actors in the learner's bundles, worker w on learner rank w's GPU."""
     steps = 40
-    config = tiny_config(
-        tmp_path, *GPU, "train.mode=sync", "cluster.gpus=2", *layout, f"train.steps={steps}", "train.checkpoint_every=0"
-    )
-    assert config.colocated and config.weights_device == ("cpu" if "host" in layout[-1] else "cuda")
+    config = tiny_config(tmp_path, *GPU, "train.mode=sync", *layout, f"train.steps={steps}", "train.checkpoint_every=0")
+    gpus = config.cluster.gpus
+    # Host memory where asked, or where no stage has a second rank to send from (one GPU).
+    through_host = "train.colocated_publish=host" in layout or gpus == 1
+    assert config.colocated and config.weights_device == ("cpu" if through_host else "cuda")
     result = train(config, show_progress=False)
     history = read_history(config.run.dir)
     assert len(history) == steps
     assert history[-1]["rollout/engine_version"] == steps
     assert all(row["queue/policy_lag_max"] == 0 for row in history)
     freed = min(row["rollout/sleep_freed_gb"] for row in history)
-    assert freed * 1e9 >= 0.9 * 2 * config.rollout.kv_cache_bytes  # at least the KV cache of both GPUs, every step
+    assert freed * 1e9 >= 0.9 * gpus * config.rollout.kv_cache_bytes  # at least the KV cache of every GPU, every step
     # The learner's weights, gradients and Adam state were on the host while the engines generated, every step.
     assert min(row["learner/parked_gb"] for row in history) > 0
     rewards = np.array([row["rollout/reward_mean"] for row in history])
