@@ -15,6 +15,8 @@ GPU results can differ from eager bf16 by bf16 rounding, never by more.
 - `swiglu(fc1_out, probs)`: `silu(gate) * up * probs` of a `[N, 2F]` gate|up projection scaled by fp32 per-row
   routing probabilities, rounded to the compute dtype (`streamrl.learner.model.experts`). On the GPU its backward is
   not the compiled one but `streamrl.learner.model.swiglu_kernel`'s single Triton kernel (the same derivative, in fp32).
+  `SwiGLU` is its module form without routing probabilities, the gate|up activation of Megatron's dense and
+  shared-expert MLPs (given in the layer spec, `streamrl.learner.model.gpt`).
 - `token_cross_entropy(logits, labels)`: float32 `-log softmax(logits)[label]` over the last axis; the backward
   is `(softmax - onehot) * grad` in one pass over the logits, without the fp32 copies of the logits (10 GiB for
   16k tokens of a 152k vocabulary) that Megatron's unfused vocab-parallel cross-entropy keeps (whole vocabulary
@@ -102,6 +104,19 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(fc1_out: Tensor, probs: Tensor) -> Tensor:
     """`silu(gate) * up * probs` (see the module docstring); on CUDA its backward is one Triton kernel."""
     return _SwiGLU.apply(fc1_out, probs) if fc1_out.is_cuda else _swiglu_math(fc1_out, probs)
+
+
+class SwiGLU(torch.nn.Module):
+    """`silu(gate) * up` of a `[..., 2F]` gate|up projection: `swiglu` with unit probabilities (exact: a product
+    with 1.0). Megatron's MLP builds it from its spec with `config` and applies it to the whole projection."""
+
+    def __init__(self, config: object = None) -> None:
+        super().__init__()
+
+    def forward(self, fc1_out: Tensor) -> Tensor:
+        rows = fc1_out.reshape(-1, fc1_out.shape[-1])
+        ones = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
+        return swiglu(rows, ones).view(*fc1_out.shape[:-1], rows.shape[-1] // 2)
 
 
 @compiled_on_gpu

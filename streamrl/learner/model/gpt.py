@@ -36,7 +36,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from streamrl.learner.model.attention import PackedSequenceAttention
 from streamrl.learner.model.experts import GroupedExperts
-from streamrl.learner.model.fused import token_cross_entropy
+from streamrl.learner.model.fused import SwiGLU, token_cross_entropy
 from streamrl.learner.model.fused_paths import use_fused_paths
 from streamrl.learner.model.layout import check_pipeline_split, num_query_groups
 from streamrl.learner.model.mla import (
@@ -211,6 +211,9 @@ def transformer_config(
         use_cpu_initialization=on_cpu,
         # No Transformer Engine / apex on these machines: the local spec's unfused kernels only.
         attention_backend="local",
+        # Megatron's switch for an MLP activation module given in the layer spec (`_layer`: ours, one fused kernel
+        # each way), not only Transformer Engine's, despite its name.
+        use_te_activation_func=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -251,6 +254,13 @@ def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
         use_latent_modules(attention)
     if sparse:
         layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+    # The dense MLP's and the shared experts' gate|up activation: `fused.SwiGLU` (on the GPU one kernel forward and
+    # one backward, where Megatron's unfused path runs chunk, silu and multiply, and a `cat` of their gradients).
+    # Every MLP of the layer must get it: under `use_te_activation_func` one without would apply plain silu.
+    mlps = [layer.mlp.submodules.shared_experts] if sparse else [layer.mlp]
+    for mlp in mlps:
+        if mlp is not None:
+            mlp.submodules.activation_func = SwiGLU
     # Our RMSNorm: fused on the GPU (the local spec's is eager torch), and it allows sequence parallelism.
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
     if config.qk_layernorm and not mla:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from streamrl.learner.hf.convert import (
     hf_to_megatron,
@@ -25,6 +27,7 @@ from streamrl.learner.hf.convert import (
     megatron_to_hf,
     stream_hf_weights,
 )
+from streamrl.learner.model.fused import SwiGLU
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.mla import mla_config_fields
 from streamrl.learner.model.moe import moe_config_fields
@@ -162,6 +165,15 @@ def test_tp1_matches_hf(tp1_world: None, ds_dir: Path, variant_dir: Path, refere
     biases = {name for name in hf_state if name.endswith("e_score_correction_bias")}
     assert len(biases) == 2 and all(torch.equal(dict(weights)[name], hf_state[name]) for name in biases)
     assert_grads_match_hf({name: grad for name, grad in grads.items() if name not in biases}, norm, hf_grads)
+
+
+def test_dense_and_shared_expert_mlps_use_the_fused_activation(tp1_world: None, ds_dir: Path) -> None:
+    """Under Megatron's `use_te_activation_func` an MLP without the spec's activation would apply plain silu to its
+    whole gate|up projection: every MLP of every layer kind must hold `fused.SwiGLU`."""
+    model = build_gpt_model(load_hf_checkpoint(ds_dir)[0])
+    mlps = [module for module in model.modules() if isinstance(module, MLP)]
+    assert {type(mlp) for mlp in mlps} == {MLP, SharedExpertMLP}  # a dense first layer, then shared experts
+    assert all(isinstance(mlp.activation_func, SwiGLU) for mlp in mlps)
 
 
 def test_tp2_ep2_matches_single_process(ds_dir: Path, reference: tuple, tmp_path: Path) -> None:

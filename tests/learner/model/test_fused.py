@@ -19,6 +19,7 @@ def _inputs(dtype: torch.dtype, device: str = "cpu") -> dict[str, list[torch.Ten
         "rms_norm": [leaf(torch.randn(tokens, 64, dtype=dtype) * 3), leaf(torch.rand(64, dtype=dtype) + 0.5), 1e-6],
         "rotary": [leaf(torch.randn(tokens, 4, 32, dtype=dtype)), (torch.rand(tokens, 1, 32) * 50).to(device)],
         "swiglu": [leaf(torch.randn(tokens, 48, dtype=dtype)), leaf(torch.rand(tokens))],
+        "SwiGLU": [leaf(torch.randn(tokens, 1, 48, dtype=dtype))],  # a dense MLP's [S, B, 2F] gate|up projection
         "token_cross_entropy": [
             leaf(torch.randn(tokens, 2, vocab, dtype=dtype) * 4),
             torch.randint(0, vocab, (tokens, 2)).to(device),
@@ -35,8 +36,16 @@ def _reference(name: str, args: list) -> torch.Tensor:
     if name == "swiglu":
         gate, up = args[0].chunk(2, dim=-1)
         return (F.silu(gate) * up * args[1].unsqueeze(-1)).to(args[0].dtype)
+    if name == "SwiGLU":  # Megatron MLP's unfused gated linear unit
+        gate, up = args[0].chunk(2, dim=-1)
+        return F.silu(gate) * up
     logits, labels = args
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+
+
+def _fused(name: str) -> object:
+    """The fused function `name`, or the module of that name built as Megatron's MLP builds it."""
+    return fused.SwiGLU(config=None) if name == "SwiGLU" else getattr(fused, name)
 
 
 def _grads(out: torch.Tensor, args: list) -> list[torch.Tensor]:
@@ -51,11 +60,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "rotary", "swiglu", "token_cross_entropy"])
+@pytest.mark.parametrize("name", ["rms_norm", "rotary", "swiglu", "SwiGLU", "token_cross_entropy"])
 def test_eager_matches_the_ops_it_replaces(name: str) -> None:
     torch.manual_seed(0)
     args = _inputs(torch.float32)[name]
-    out, ref = getattr(fused, name)(*args), _reference(name, args)
+    out, ref = _fused(name)(*args), _reference(name, args)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     assert _rel_err(out, ref) < 1e-6
     torch.manual_seed(1)
@@ -68,10 +77,10 @@ def test_eager_matches_the_ops_it_replaces(name: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", ["rms_norm", "rotary", "swiglu", "token_cross_entropy"])
+@pytest.mark.parametrize("name", ["rms_norm", "rotary", "swiglu", "SwiGLU", "token_cross_entropy"])
 def test_compiled_matches_eager_on_gpu(name: str, dtype: torch.dtype) -> None:
     args = _inputs(dtype, "cuda")[name]
-    out, ref = getattr(fused, name)(*args), _reference(name, args)
+    out, ref = _fused(name)(*args), _reference(name, args)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert out.dtype == ref.dtype and _rel_err(out, ref) < tolerance
     torch.manual_seed(1)

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.transformer.mlp import MLP
 
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights, megatron_names, stream_hf_weights
+from streamrl.learner.model.fused import SwiGLU
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.model.logprobs import token_logprobs
 from streamrl.learner.parallel import destroy_parallel, init_parallel
@@ -79,6 +81,8 @@ def test_tp1_matches_hf(tp1_world: None, tiny_model_dirs: Callable[[str], Path],
     hf_config, hf_state = load_hf_checkpoint(tiny_model_dirs(arch))
     model = build_gpt_model(hf_config)
     assert [k for k in model.state_dict() if not k.endswith("_extra_state")] == megatron_names(hf_config)
+    mlps = [module for module in model.modules() if isinstance(module, MLP)]
+    assert mlps and all(isinstance(mlp.activation_func, SwiGLU) for mlp in mlps)  # the fused gate|up activation
     load_hf_weights(model, hf_state, hf_config)
     _check_against_hf(tiny_model_dirs(arch), *_megatron_logprobs_and_grads(model, hf_config))
 
