@@ -118,6 +118,9 @@ class SwiGLU(torch.nn.Module):
         ones = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
         return swiglu(rows, ones).view(*fc1_out.shape[:-1], rows.shape[-1] // 2)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        return {}  # no state; Megatron's MLP asks each of its children for its checkpoint shards
+
 
 @compiled_on_gpu
 def _nll_and_logsumexp(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -49,11 +49,14 @@ def config(tp1_world: None, tiny_model_dirs: Callable[[str], Path]) -> Transform
 
 
 def _sequential_and_grouped(config: TransformerConfig) -> tuple[torch.nn.Module, GroupedExperts]:
-    """Megatron's SequentialMLP (as the local spec builds it) and a GroupedExperts holding the same weights."""
+    """Megatron's SequentialMLP (as the local spec builds it, with Megatron's own unfused SwiGLU) and a
+    GroupedExperts holding the same weights."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
     experts = config.num_moe_experts
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False).submodules.mlp.submodules.experts
-    sequential = build_module(spec, experts, config, pg_collection=groups)
+    # Our config takes each MLP's activation module from the layer spec (`gpt._layer`); the local spec gives none.
+    unfused = dataclasses.replace(config, use_te_activation_func=False)
+    sequential = build_module(spec, experts, unfused, pg_collection=groups)
     grouped = GroupedExperts(experts, config, pg_collection=groups)
     with torch.no_grad():
         for e, expert in enumerate(sequential.local_experts):
