@@ -61,7 +61,9 @@ class Trainer:
             raise ValueError("loss.kl_coef: the KL reference needs the model's weights (model.path)")
         self.config, self.hf_config = config, hf_config
         learner = config.learner
-        self.chunks = build_model_chunks(hf_config, DTYPES[learner.params_dtype], **model_layout(learner))
+        self.chunks = build_model_chunks(
+            hf_config, DTYPES[learner.params_dtype], trained_through_ddp=True, **model_layout(learner)
+        )
         for chunk in self.chunks if hf_state is not None else []:
             load_hf_weights(chunk, hf_state, hf_config)
         score_as_sampled(self.chunks, config.rollout.temperature, config.rollout.top_p)

@@ -53,6 +53,7 @@ from streamrl.learner.model.moe import (
     num_experts,
 )
 from streamrl.learner.model.rope import rope_theta, scale_rotary_frequencies
+from streamrl.learner.model.wgrad import use_fused_wgrad_accumulation
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", *MOE_ARCHITECTURES)
 
@@ -152,13 +153,16 @@ def transformer_config(
     first_stage_layers: int | None = None,
     moe_dispatcher: str = "alltoall",
     recompute_method: str = "uniform",
+    trained_through_ddp: bool = False,
 ) -> TransformerConfig:
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
     `params_dtype` is the dtype of the model's weights and activations (bfloat16: Megatron's optimizer keeps float32
     master weights, `streamrl.learner.optimizer`); `recompute` selects activation recomputation (none, selective:
     core attention, full: `recompute_num_layers` layers by `recompute_method`); `moe_dispatcher` is Megatron's token
-    dispatcher of MoE layers (`learner.moe_dispatcher`).
+    dispatcher of MoE layers (`learner.moe_dispatcher`). `trained_through_ddp`: the model's weights get Megatron DDP's
+    float32 main grads (the trainer's models), which on a GPU each linear layer's weight-gradient GEMM then adds into
+    directly (`streamrl.learner.model.wgrad`); a model trained any other way must not set it.
     """
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()
@@ -218,7 +222,7 @@ def transformer_config(
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=trained_through_ddp and not on_cpu,
         persist_layer_norm=False,
         **attention,
         # One mapping, later keys winning: the MoE fields repeat the pipeline's token dispatcher.
@@ -312,6 +316,8 @@ def build_gpt_model(
     if config.multi_latent_attention:
         allow_mla_without_transformer_engine()
     use_fused_paths()
+    if config.gradient_accumulation_fusion:
+        use_fused_wgrad_accumulation()
     model = _GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(config, hf_config, vp_stage),
