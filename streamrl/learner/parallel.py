@@ -9,9 +9,10 @@ Megatron's interleaved schedule), the data-parallel groups (Megatron's data-para
 its `with_context_parallel=True` variant includes them), the expert-parallel groups (`expert_parallel` ranks split a
 MoE model's experts; they are carved out of one stage's data x context x tensor-parallel ranks with expert tensor
 parallelism 1, see `streamrl.learner.model.moe`) and the model-parallel RNG tracker is seeded, so
-`streamrl.learner.model.gpt.build_model_chunks` can run. The backend is NCCL when CUDA is available and gloo
-otherwise (with the CPU patches of `streamrl.learner.cpu_compat`, applied here and only here). Every collective,
-including the rendezvous, fails after `learner.collective_timeout_s` instead of hanging. `destroy_parallel()` undoes
+`streamrl.learner.model.gpt.build_model_chunks` can run. The backend is NCCL when CUDA is available (the rank's
+allocator then uses expandable segments unless `PYTORCH_CUDA_ALLOC_CONF` says otherwise) and gloo otherwise (with
+the CPU patches of `streamrl.learner.cpu_compat`, applied here and only here). Every collective, including the
+rendezvous, fails after `learner.collective_timeout_s` instead of hanging. `destroy_parallel()` undoes
 it all and is safe to call when nothing was initialised.
 """
 
@@ -42,6 +43,7 @@ def init_parallel(learner: LearnerConfig, rank: int, master_addr: str, master_po
     apply_cpu_compat()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
+        use_expandable_segments()
         # One GPU per rank; the local rank is the position on this host (the launcher may set LOCAL_RANK).
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     timeout_s = learner.collective_timeout_s
@@ -57,6 +59,18 @@ def init_parallel(learner: LearnerConfig, rank: int, master_addr: str, master_po
     # the tracker then derives the per-TP-rank model-parallel stream from the same seed.
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def use_expandable_segments() -> None:
+    """This rank's CUDA allocations in expandable segments, unless the user configured the allocator.
+
+    Micro-batches change shape every step (RL response lengths), which fragments the caching allocator's fixed-size
+    segments into reserved memory no later request fits; expandable segments grow and shrink by pages instead, and a
+    parked rank's `empty_cache` (`streamrl.learner.parking`) hands whole pages back to a colocated engine. Only this
+    process: vLLM's sleep mode refuses the setting, and engines inherit the environment, not this call."""
+    if any(name in os.environ for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def initialize_groups(learner: LearnerConfig, timeout_s: float) -> None:
