@@ -13,7 +13,8 @@ import torch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif("PYTORCH_CUDA_ALLOC_CONF" in os.environ, reason="the user's allocator settings win")
 def test_a_rank_allocates_in_expandable_segments_on_gpu(tp1_world: None) -> None:
-    tensor = torch.empty(97 << 20, dtype=torch.uint8, device="cuda")  # a new segment of its own
+    torch.cuda.empty_cache()  # earlier tests' cached segments would serve the request
+    tensor = torch.empty(97 << 20, dtype=torch.uint8, device="cuda")  # in a new segment
     address = tensor.data_ptr()
     (segment,) = [
         s for s in torch.cuda.memory._snapshot()["segments"] if s["address"] <= address < s["address"] + s["total_size"]
