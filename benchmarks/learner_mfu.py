@@ -98,10 +98,12 @@ def measured_matmul_tflops(device: torch.device) -> float:
 
 
 def profile_step(step: Callable[[], float], seconds: float, path: Path) -> str:
-    """One step under torch.profiler: the share of the step the GPU was busy, the top GPU kernels by own time, and
-    the aten ops (forward and backward) that launched them."""
+    """One step under torch.profiler: the share of the step the GPU was busy, the top GPU kernels by own time, the
+    aten ops (forward and backward) that launched them, and where the GPU waited for the host (`gpu_idle`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_idle import idle_report
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
@@ -121,6 +123,7 @@ def profile_step(step: Callable[[], float], seconds: float, path: Path) -> str:
 
     lines = [f"GPU kernel time {busy:.3f} s of a {seconds:.3f} s step ({busy / seconds:.0%} busy)"]
     lines += top(kernels, 25, "top kernels") + top(ops, 25, "top ops (own kernels' time)")
+    lines += idle_report(prof.events())
     path.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
