@@ -1,8 +1,8 @@
 """Where a profiled step leaves the GPU idle: each gap between kernels charged to what the host launched after it.
 
-Contract: `idle_report(events, top)` takes torch.profiler's `prof.events()` (CUDA kernels with their time ranges and
-`linked_correlation_id`, the id of the CPU op that launched them; CPU ops with `id`, time range and `cpu_parent`;
-the CUDA runtime's calls as CPU events linked the same way) and returns report lines:
+Contract: `idle_report(events, top)` takes torch.profiler's `prof.events()` (CUDA kernels with their time ranges; the
+CUDA runtime and driver calls that launched them as CPU events with the same `id`, CUPTI's correlation id, nested
+under the op that made them, `cpu_parent`) and returns report lines:
 
 - the GPU's idle time between its first kernel's start and its last one's end (the gaps in the union of all kernel
   intervals, every stream together) and how it splits by gap length: below 0.1 ms is the host's launch latency
@@ -61,11 +61,11 @@ def idle_report(events: Iterable[Any], top: int = 12) -> list[str]:
     kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     if not kernels:
         return ["GPU idle: no GPU kernels in the profile"]
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    ops = {e.id: e for e in cpu if e.linked_correlation_id == 0}
-    syncs = sorted(
-        ((e.time_range.end, ops.get(e.linked_correlation_id)) for e in cpu if _is_sync(e.name)), key=lambda s: s[0]
-    )
+    # CUDA runtime / driver calls (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...): a kernel has its
+    # launch's correlation id, and the call sits under the op that made it.
+    calls = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("cu")]
+    launches = {e.id: e for e in calls}
+    syncs = sorted(((e.time_range.end, e.cpu_parent) for e in calls if _is_sync(e.name)), key=lambda s: s[0])
     by_length = {"< 0.1 ms": 0.0, "0.1-1 ms": 0.0, "> 1 ms": 0.0}
     by_phase: dict[str, float] = defaultdict(float)
     by_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
@@ -77,7 +77,8 @@ def idle_report(events: Iterable[Any], top: int = 12) -> list[str]:
             gap = (start - busy_until) / 1e6  # µs -> s
             idle, gaps = idle + gap, gaps + 1
             by_length["< 0.1 ms" if gap < 1e-4 else "0.1-1 ms" if gap < 1e-3 else "> 1 ms"] += gap
-            root, name = _label(ops.get(kernel.linked_correlation_id))
+            launch = launches.get(kernel.id)
+            root, name = _label(None if launch is None else launch.cpu_parent)
             by_phase[_phase(root)] += gap
             by_op[(root, name)][0] += gap
             by_op[(root, name)][1] += 1
