@@ -15,7 +15,9 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   lives on the host with a float32 copy of its gradients (Megatron's HybridDeviceOptimizer steps it there);
 - activations of one micro-batch of `batching.max_tokens_per_microbatch` tokens, bf16, sequence-parallel (every term
   divided by TP): per layer and token the layer input, norm output, q/k/v (and q/k before their norms, with QK-norm),
-  attention output, the residual after attention and, for a dense MLP, its norm output, gate/up and SwiGLU outputs;
+  the attention output twice (the attention kernel keeps its own, in its padded buckets, and the output projection
+  keeps its input, a copy in packed order: `streamrl.learner.model.attention`), the residual after attention and, for
+  a dense MLP, its norm output, gate/up and SwiGLU outputs;
   for a MoE layer its norm output, the router's float32 logits and probabilities and its routing map plus, per routed
   copy of the token (top-k, balanced over the EP ranks), the permuted input, gate/up and SwiGLU outputs, and the
   shared experts'. Attention keeps no scores (packed attention kernels). `recompute: full` keeps per micro-batch in
@@ -123,15 +125,15 @@ class MemoryPlan:
 
 
 def _attention_widths(hf: dict[str, Any]) -> int:
-    """Per token and layer: the q, k, v and attention-output widths summed (elements)."""
+    """Per token and layer: the q, k, v widths and twice the attention output's, summed (elements)."""
     heads = hf["num_attention_heads"]
     if hf.get("kv_lora_rank"):  # multi-latent attention: per-head q/k of nope + rope dims, v of v_head_dim
         qk = heads * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"])
         latents = (hf.get("q_lora_rank") or 0) + hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
-        return 2 * qk + 2 * heads * hf["v_head_dim"] + latents
+        return 2 * qk + 3 * heads * hf["v_head_dim"] + latents
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     kv = hf.get("num_key_value_heads") or heads
-    return 2 * heads * head_dim + 2 * kv * head_dim
+    return 3 * heads * head_dim + 2 * kv * head_dim
 
 
 def _layer_activation_elements(hf: dict[str, Any], sparse: bool, tp: int) -> float:
