@@ -11,6 +11,7 @@ import pytest
 from streamrl.cli import main
 from streamrl.config import load_config
 from streamrl.learner import stage_parameters
+from streamrl.models.tiny import tiny_model_config
 from streamrl.plan import plan_memory
 from streamrl.plan.memory import GB, HOST_PROCESS_BYTES, HOST_USABLE, RUNTIME_BYTES
 from tests.config.test_layouts import ROWS
@@ -57,6 +58,19 @@ def test_terms_follow_the_stated_assumptions() -> None:
     )
     assert learner.terms["runtime"] == RUNTIME_BYTES
     assert learner.terms["logits"] == 4 * 16384 * hf["vocab_size"]  # TP 1: bf16 logits and their gradient
+
+
+def test_a_dense_layer_keeps_what_the_plan_lists() -> None:
+    """Without recomputation, per token and layer: the input, both norms' outputs and the residual (4 x hidden), q/k/v,
+    q and k again before their norms, the attention output twice (the kernel's padded copy and the output
+    projection's input) and the MLP's gate/up and SwiGLU outputs, in bf16: the ~3.6B model of the async runs."""
+    overrides = ["learner.data_parallel=1", "rollout.engines=1", "learner.recompute=none"]
+    config = load_config(CONFIGS / "qwen3-large-gpu.yaml", [*overrides, "batching.max_tokens_per_microbatch=8192"])
+    hf = tiny_model_config("qwen3", "large")  # the config's model, written on first use
+    (learner,) = plan_memory(config, hf, 141).learner
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    per_token_and_layer = 4 * hf["hidden_size"] + (q + 2 * kv) + (q + kv) + 2 * q + 3 * hf["intermediate_size"]
+    assert learner.terms["activations"] == 2 * 8192 * hf["num_hidden_layers"] * per_token_and_layer
 
 
 def test_recomputation_methods_keep_what_they_say() -> None:
