@@ -55,6 +55,12 @@ def _label(op: Any | None) -> tuple[str, str]:
     return _root(op).name, op.name
 
 
+def _charge(entry: list[float], gap: float) -> None:
+    """Add one gap to an [idle seconds, gaps] entry."""
+    entry[0] += gap
+    entry[1] += 1
+
+
 def idle_report(events: Iterable[Any], top: int = 12) -> list[str]:
     """Report lines for one profiled window; see the module docstring."""
     events = list(events)
@@ -80,14 +86,11 @@ def idle_report(events: Iterable[Any], top: int = 12) -> list[str]:
             launch = launches.get(kernel.id)
             root, name = _label(None if launch is None else launch.cpu_parent)
             by_phase[_phase(root)] += gap
-            by_op[(root, name)][0] += gap
-            by_op[(root, name)][1] += 1
+            _charge(by_op[(root, name)], gap)
             while next_sync < len(syncs) and syncs[next_sync][0] < busy_until:
                 next_sync += 1
             if next_sync < len(syncs) and syncs[next_sync][0] <= start:  # a sync returned inside this gap
-                entry = after_sync[_label(syncs[next_sync][1])]
-                entry[0] += gap
-                entry[1] += 1
+                _charge(after_sync[_label(syncs[next_sync][1])], gap)
         busy_until = max(busy_until, kernel.time_range.end)
     window = (busy_until - kernels[0].time_range.start) / 1e6
     lines = [
