@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 
 from streamrl.config.base import _Section
 
+# learner.recompute_modules by default: what costs elementwise work and copies only to recompute.
+CHEAP_RECOMPUTE = ("layernorm", "mlp_act", "attn_out")
+
 
 class RolloutConfig(_Section):
     engines: int = Field(1, ge=1, description="Number of vLLM engine actors.")
@@ -158,8 +161,16 @@ class LearnerConfig(_Section):
     )
     recompute: Literal["none", "selective", "full"] = Field(
         "none",
-        description="Activation recomputation: selective recomputes each layer's core attention in "
-        "backward; full recomputes whole layers (recompute_method, recompute_num_layers).",
+        description="Activation recomputation: selective recomputes the parts of each layer named by "
+        "recompute_modules in backward; full recomputes whole layers (recompute_method, recompute_num_layers).",
+    )
+    recompute_modules: list[Literal["layernorm", "mlp_act", "attn_out", "core_attn"]] = Field(
+        list(CHEAP_RECOMPUTE),
+        description="recompute=selective: what each layer drops after its forward and recomputes in backward. "
+        "layernorm: both norms' outputs (Megatron's); mlp_act: every MLP's SwiGLU output (dense, shared and routed "
+        "experts; Megatron's moe_act for all MLPs); attn_out: the packed copy of the attention output (its kernel "
+        "keeps a padded one); core_attn: the core attention (Megatron's; its kernel keeps no scores here, so it "
+        "saves little). The first three cost elementwise work and copies only, no GEMM.",
     )
     recompute_method: Literal["uniform", "block"] = Field(
         "uniform",

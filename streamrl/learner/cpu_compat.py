@@ -52,6 +52,8 @@ Megatron's DDP and optimizer (`streamrl.learner.optimizer`; DDP itself allocates
   (`get_parameter_state_dp_zero`): while it runs, `Tensor.cuda` returns the host tensor itself.
 - Everywhere: the optimizer's own fixes for our models (float32 norms beside bf16 weights, torch's AdamW without
   TE/apex, offload) are in `streamrl.learner.optimizer_fixes`, applied from here.
+- Everywhere: Megatron's `CheckpointWithoutOutput()` (its `layernorm` recompute) takes a Transformer Engine path
+  by default; `streamrl.learner.model.recompute.fix_megatron_checkpoint`, applied from here.
 
 Mixture-of-experts (`streamrl.learner.model.moe`: local spec, "alltoall" token dispatcher):
 - Everywhere: without Transformer Engine, `moe_utils` never binds `te_general_gemm` (its import sits inside the
@@ -73,6 +75,7 @@ from typing import Any
 
 import torch
 
+from streamrl.learner.model.recompute import fix_megatron_checkpoint
 from streamrl.learner.optimizer_fixes import apply_optimizer_fixes
 
 MEGATRON_VERSION = "0.16.1"
@@ -275,6 +278,7 @@ def apply_cpu_compat() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     apply_optimizer_fixes()
+    fix_megatron_checkpoint()
     if torch.cuda.is_available():
         _applied = True
         return

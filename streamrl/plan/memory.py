@@ -24,10 +24,11 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   flight only the input of each recomputed unit (`recompute_method: uniform`: every block of `recompute_num_layers`
   layers; `block`: each of the first `recompute_num_layers` layers of a model chunk, the chunk's other layers keeping
   all of theirs), plus one unit's activations while it is recomputed (block: the larger of that and what the chunk
-  keeps, as the layers after the recomputed ones are done by then); `selective` recomputes only the core attention,
-  which keeps no large tensors here, so it counts as `none`. 1F1B holds (pipeline stages - stage) micro-batches at
-  once (a step of at least that many micro-batches per data-parallel rank). The last stage adds the logits
-  (`_logits`);
+  keeps, as the layers after the recomputed ones are done by then); `selective` drops what its `recompute_modules`
+  name (`streamrl.learner.model.recompute`): `layernorm` both norms' outputs, `mlp_act` every SwiGLU output, `attn_out`
+  the attention output's packed copy; `core_attn` keeps no large tensors here, so it counts as nothing. 1F1B holds
+  (pipeline stages - stage) micro-batches at once (a step of at least that many micro-batches per data-parallel
+  rank). The last stage adds the logits (`_logits`);
 - the engine (vLLM): its weights in `rollout.dtype`, dense parameters split over its tensor-parallel ranks and
   experts over its expert-parallel ranks; staging buffers for the next version (a one-GPU engine apart from the
   learner: a whole version, as the weight transport keeps; colocated: two publish buckets, which arrive through host
@@ -136,20 +137,32 @@ def _attention_widths(hf: dict[str, Any]) -> int:
     return 3 * heads * head_dim + 2 * kv * head_dim
 
 
-def _layer_activation_elements(hf: dict[str, Any], sparse: bool, tp: int) -> float:
-    """Elements one token keeps for backward in one layer on one rank (see the module docstring)."""
+def _layer_activation_elements(hf: dict[str, Any], sparse: bool, tp: int, recomputed: frozenset[str]) -> float:
+    """Elements one token keeps for backward in one layer on one rank (see the module docstring), less what the
+    `recomputed` modules drop (`learner.recompute_modules` under `recompute: selective`)."""
     h = hf["hidden_size"]
     # The input, its norm's output, q/k/v/output, q and k again before their norms (QK-norm), and the residual
     # after attention (the MLP norm's input).
     attention = 3 * h + _attention_widths(hf) + _qk_norm_inputs(hf)
     if not sparse:
-        mlp = h + 3 * hf["intermediate_size"]  # norm output, gate/up, SwiGLU output
-        return (attention + mlp) / tp
-    experts = num_experts(hf)
-    routed = hf["num_experts_per_tok"] * (h + 3 * expert_size(hf))
-    shared = 3 * shared_expert_size(hf)
-    router = 4.5 * experts  # float32 logits and probabilities (2 + 2 elements' worth), the boolean routing map
-    return (attention + h + router + routed + shared) / tp
+        activation = hf["intermediate_size"]
+        mlp = h + 2 * activation + activation  # norm output, gate/up, SwiGLU output
+        router = 0.0
+    else:
+        activation = hf["num_experts_per_tok"] * expert_size(hf) + shared_expert_size(hf)
+        # The norm output; per routed copy the permuted input, gate/up and SwiGLU output; the shared experts'.
+        mlp = h + hf["num_experts_per_tok"] * h + 3 * activation
+        router = 4.5 * num_experts(hf)  # float32 logits and probabilities (2 + 2 elements' worth), the routing map
+    dropped = {"layernorm": 2 * h, "mlp_act": activation, "attn_out": _attention_output_width(hf)}
+    return (attention + mlp + router - sum(dropped.get(name, 0) for name in recomputed)) / tp
+
+
+def _attention_output_width(hf: dict[str, Any]) -> int:
+    """Per token: the attention output (heads x value head dim)."""
+    heads = hf["num_attention_heads"]
+    if hf.get("kv_lora_rank"):
+        return heads * hf["v_head_dim"]
+    return heads * (hf.get("head_dim") or hf["hidden_size"] // heads)
 
 
 def _qk_norm_inputs(hf: dict[str, Any]) -> int:
@@ -163,7 +176,8 @@ def _qk_norm_inputs(hf: dict[str, Any]) -> int:
 def _activations(config: Config, hf: dict[str, Any], stage: StageParameters, kinds: list[bool]) -> float:
     learner, tokens = config.learner, config.batching.max_tokens_per_microbatch
     tp, cp = learner.tensor_parallel, learner.context_parallel
-    per_layer = [_layer_activation_elements(hf, sparse, tp) * 2 * tokens / cp for sparse in kinds]  # bf16
+    recomputed = frozenset(learner.recompute_modules) if learner.recompute == "selective" else frozenset()
+    per_layer = [_layer_activation_elements(hf, sparse, tp, recomputed) * 2 * tokens / cp for sparse in kinds]  # bf16
     in_flight = learner.pipeline_parallel - stage.stage  # 1F1B warm-up depth of this stage
     if learner.recompute != "full":
         return sum(per_layer) * in_flight

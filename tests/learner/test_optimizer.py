@@ -205,7 +205,13 @@ def _loss_and_grads(
     model_dir: Path, recompute: str, layers: int = 1, method: str = "uniform"
 ) -> tuple[float, dict, list[int]]:
     """(loss, gradients, forward calls of each layer's core attention) of the test step."""
-    model = _model(model_dir, recompute=recompute, recompute_num_layers=layers, recompute_method=method)
+    model = _model(
+        model_dir,
+        recompute=recompute,
+        recompute_num_layers=layers,
+        recompute_method=method,
+        recompute_modules=["core_attn"],  # selective: the core attention, whose calls are counted
+    )
     calls = [0] * len(model.decoder.layers)
     for index, layer in enumerate(model.decoder.layers):
         layer.self_attention.core_attention.register_forward_hook(

@@ -73,6 +73,33 @@ def test_a_dense_layer_keeps_what_the_plan_lists() -> None:
     assert learner.terms["activations"] == 2 * 8192 * hf["num_hidden_layers"] * per_token_and_layer
 
 
+@pytest.mark.parametrize(
+    ("config_name", "overrides"),
+    [
+        ("qwen3-large-gpu.yaml", ["learner.data_parallel=1", "rollout.engines=1"]),
+        ("qwen3-30b-a3b.yaml", ["cluster.gpus=4"]),
+    ],
+)
+def test_selective_recomputation_drops_what_its_modules_name(config_name: str, overrides: list[str]) -> None:
+    """`recompute: selective` with the default modules: both norms' outputs, the SwiGLU output (dense) or every
+    SwiGLU output (MoE: top-k routed copies and the shared experts) and the attention output's packed copy, per token
+    and layer, as `tests/learner/model/test_recompute.py` measures them on a GPU; `core_attn` alone drops nothing."""
+    base = [*overrides, "batching.max_tokens_per_microbatch=8192"]
+
+    def plan(*more: str) -> tuple[dict, float]:
+        config = load_config(CONFIGS / config_name, [*base, *more])
+        hf = config.model.architecture or tiny_model_config("qwen3", "large")  # the dense config's written model
+        (learner,) = plan_memory(config, hf, 141).learner
+        return hf, learner.terms["activations"]
+
+    hf, none = plan("learner.recompute=none")
+    sparse = "moe_intermediate_size" in hf
+    act = hf["num_experts_per_tok"] * hf["moe_intermediate_size"] if sparse else hf["intermediate_size"]
+    dropped = 2 * hf["hidden_size"] + act + hf["num_attention_heads"] * hf["head_dim"]
+    assert none - plan("learner.recompute=selective")[1] == pytest.approx(2 * 8192 * hf["num_hidden_layers"] * dropped)
+    assert plan("learner.recompute=selective", "learner.recompute_modules=[core_attn]")[1] == none
+
+
 def test_recomputation_methods_keep_what_they_say() -> None:
     """Full recomputation keeps a layer's input per recomputed unit plus one unit's activations: uniform blocks of k
     layers, or (block) the first k layers one at a time with the other layers keeping all of theirs."""

@@ -18,7 +18,9 @@ attention both ran slower than cuDNN's attention on the sequences themselves).
   step, would otherwise build new ones every step. The padded rows are gathered in and the real rows gathered back
   out, and both backwards are gathers too (`_ToPadded`, `_FromPadded`): a padding row's gradient is exactly zero
   (its output is dropped, and no real query sees it), so each real row takes its gradient from its own slot, with
-  no accumulating scatter (whose sort, on the GPU, cost more than the attention's own forward kernels). RoPE
+  no accumulating scatter (whose sort, on the GPU, cost more than the attention's own forward kernels). Under
+  `recompute_modules` `attn_out` the packed result is recomputable from the buckets' outputs, which the kernels
+  keep for their backward anyway (`streamrl.learner.model.recompute`; the output projection releases it). RoPE
   restarting at 0 per sequence is Megatron's part: `SelfAttention` applies it per `cu_seqlens` segment before
   calling this module.
 - Packed under context parallelism (CP group of c > 1 ranks, `streamrl.learner.context_parallel`): each rank holds
@@ -50,6 +52,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
 from streamrl.learner.context_parallel import gathered_rows
+from streamrl.learner.model.recompute import recomputable, recompute_modules
 
 # A sequence joins the bucket of longer ones while the bucket's padded score area (sequences x longest^2) stays
 # within PAD_SLACK x its sequences' own areas plus FREE_AREA: padding then costs at most a quarter more attention
@@ -171,6 +174,7 @@ class PackedSequenceAttention(MegatronModule):
         if config.apply_query_key_layer_scaling:
             raise ValueError("apply_query_key_layer_scaling: not supported")
         self.softmax_scale = softmax_scale  # None: SDPA's default 1/sqrt(head_dim), as Megatron's
+        self.recompute_output = "attn_out" in recompute_modules(config)
         # Megatron hands its process groups over; a module built outside a parallel world has no CP group.
         cp_group = getattr(pg_collection, "cp", None)
         if cp_group is None:
@@ -235,7 +239,11 @@ class PackedSequenceAttention(MegatronModule):
             .reshape(count * longest, -1)
             for (count, longest), qkv in zip(shapes, zip(*padded, strict=True), strict=True)
         ]
-        return _FromPadded.apply(torch.cat(outputs), back)
+        if not self.recompute_output:
+            return _FromPadded.apply(torch.cat(outputs), back)
+        # The buckets' outputs are the kernels' own (views), which they keep for backward anyway: the packed copy
+        # is dropped after the output projection and gathered again in backward.
+        return recomputable(lambda *padded: _FromPadded.apply(torch.cat(padded), back), *outputs)
 
     def _context_parallel(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor

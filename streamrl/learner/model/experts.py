@@ -40,6 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from streamrl.learner.model.fused import swiglu
+from streamrl.learner.model.recompute import recomputable, recompute_modules, release
 
 
 class StackedLinear(torch.nn.Module):
@@ -87,6 +88,7 @@ class GroupedExperts(MegatronModule):
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         self.linear_fc1 = StackedLinear(num_local_experts, hidden, 2 * ffn, config, config.init_method)
         self.linear_fc2 = StackedLinear(num_local_experts, ffn, hidden, config, config.output_layer_init_method)
+        self.recompute_act = "mlp_act" in recompute_modules(config)  # the SwiGLU output, rebuilt in backward
         for param in self.parameters():
             # Megatron's DDP / distributed optimizer reduce expert weights over the expert-data-parallel group, which
             # (expert TP 1) includes the TP and CP peers that routed other tokens: needed at EP=1 too, where Megatron's
@@ -97,8 +99,11 @@ class GroupedExperts(MegatronModule):
         # The dispatcher may hand the counts over on the host; the kernel reads the group ends on the device.
         group_ends = tokens_per_expert.cumsum(0).to(device=tokens.device, dtype=torch.int32)
         # As SequentialMLP: the (fp32) probabilities scale the activation, then back to the compute dtype.
-        hidden = swiglu(self.linear_fc1(tokens, group_ends), probs)
-        return self.linear_fc2(hidden, group_ends), None
+        fc1_out = self.linear_fc1(tokens, group_ends)
+        hidden = recomputable(swiglu, fc1_out, probs) if self.recompute_act else swiglu(fc1_out, probs)
+        out = self.linear_fc2(hidden, group_ends)
+        release(hidden, out)
+        return out, None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the ordinary backward (Megatron's delayed-wgrad hook)."""

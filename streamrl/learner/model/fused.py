@@ -12,11 +12,11 @@ GPU results can differ from eager bf16 by bf16 rounding, never by more.
 - `rms_norm(x, weight, eps)`: torch's RMSNorm (normalised in fp32, times the weight in fp32, one rounding).
 - `rotary(t, freqs)`: Megatron's non-interleaved RoPE `t * cos + rotate_half(t) * sin` with cos/sin of the fp32
   `freqs` rounded to t's dtype first (megatron `_apply_rotary_pos_emb_bshd`, rotary dim == head dim, mscale 1).
-- `swiglu(fc1_out, probs)`: `silu(gate) * up * probs` of a `[N, 2F]` gate|up projection scaled by fp32 per-row
-  routing probabilities, rounded to the compute dtype (`streamrl.learner.model.experts`). On the GPU its backward is
-  not the compiled one but `streamrl.learner.model.swiglu_kernel`'s single Triton kernel (the same derivative, in fp32).
-  `SwiGLU` is its module form without routing probabilities, the gate|up activation of Megatron's dense and
-  shared-expert MLPs (given in the layer spec, `streamrl.learner.model.gpt`).
+- `swiglu(fc1_out, probs=None)`: `silu(gate) * up * probs` of a `[N, 2F]` gate|up projection scaled by fp32 per-row
+  routing probabilities (`streamrl.learner.model.experts`), or `silu(gate) * up` without them, rounded to the compute
+  dtype. On the GPU its backward is not the compiled one but `streamrl.learner.model.swiglu_kernel`'s single Triton
+  kernel (the same derivative, in fp32). `SwiGLU` is its module form without routing probabilities, the gate|up
+  activation of Megatron's dense and shared-expert MLPs (given in the layer spec, `streamrl.learner.model.gpt`).
 - `token_cross_entropy(logits, labels)`: float32 `-log softmax(logits)[label]` over the last axis; the backward
   is `(softmax - onehot) * grad` in one pass over the logits, without the fp32 copies of the logits (10 GiB for
   16k tokens of a 152k vocabulary) that Megatron's unfused vocab-parallel cross-entropy keeps (whole vocabulary
@@ -30,7 +30,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
+
+from streamrl.learner.model.recompute import recomputable, recompute_modules
 
 
 def compiled_on_gpu(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -81,42 +84,56 @@ def _swiglu_math(fc1_out: Tensor, probs: Tensor) -> Tensor:
     return (F.silu(gate) * up * probs.unsqueeze(-1)).to(fc1_out.dtype)
 
 
+def _swiglu_unscaled_math(fc1_out: Tensor) -> Tensor:
+    gate, up = fc1_out.chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(fc1_out.dtype)
+
+
 _swiglu_forward = compiled_on_gpu(_swiglu_math)
+_swiglu_unscaled_forward = compiled_on_gpu(_swiglu_unscaled_math)
 
 
 class _SwiGLU(torch.autograd.Function):
     """GPU: the compiled forward, and the backward as one Triton kernel (`streamrl.learner.model.swiglu_kernel`)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, fc1_out: Tensor, probs: Tensor) -> Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, fc1_out: Tensor, probs: Tensor | None) -> Tensor:
         ctx.save_for_backward(fc1_out, probs)
-        return _swiglu_forward(fc1_out, probs)
+        return _swiglu_unscaled_forward(fc1_out) if probs is None else _swiglu_forward(fc1_out, probs)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor | None]:
         from streamrl.learner.model.swiglu_kernel import swiglu_backward  # Triton: GPU installs only
 
         fc1_out, probs = ctx.saved_tensors
         d_fc1, d_probs = swiglu_backward(fc1_out, probs, grad)
-        return d_fc1, d_probs.to(probs.dtype)
+        return d_fc1, None if probs is None else d_probs.to(probs.dtype)
 
 
-def swiglu(fc1_out: Tensor, probs: Tensor) -> Tensor:
-    """`silu(gate) * up * probs` (see the module docstring); on CUDA its backward is one Triton kernel."""
-    return _SwiGLU.apply(fc1_out, probs) if fc1_out.is_cuda else _swiglu_math(fc1_out, probs)
+def swiglu(fc1_out: Tensor, probs: Tensor | None = None) -> Tensor:
+    """`silu(gate) * up * probs`, or `silu(gate) * up` without `probs` (see the module docstring); on CUDA its
+    backward is one Triton kernel."""
+    if fc1_out.is_cuda:
+        return _SwiGLU.apply(fc1_out, probs)
+    return _swiglu_unscaled_math(fc1_out) if probs is None else _swiglu_math(fc1_out, probs)
 
 
 class SwiGLU(torch.nn.Module):
-    """`silu(gate) * up` of a `[..., 2F]` gate|up projection: `swiglu` with unit probabilities (exact: a product
-    with 1.0). Megatron's MLP builds it from its spec with `config` and applies it to the whole projection."""
+    """`silu(gate) * up` of a `[..., 2F]` gate|up projection: `swiglu` without probabilities. Megatron's MLP builds
+    it from its spec with `config` and applies it to the whole projection; under `recompute_modules` `mlp_act` its
+    output is recomputable (`streamrl.learner.model.recompute`: the MLP's down projection releases it)."""
 
-    def __init__(self, config: object = None) -> None:
+    def __init__(self, config: TransformerConfig | None = None) -> None:
         super().__init__()
+        self.recompute = "mlp_act" in recompute_modules(config)
 
     def forward(self, fc1_out: Tensor) -> Tensor:
+        return recomputable(self._swiglu, fc1_out) if self.recompute else self._swiglu(fc1_out)
+
+    @staticmethod
+    def _swiglu(fc1_out: Tensor) -> Tensor:
         rows = fc1_out.reshape(-1, fc1_out.shape[-1])
-        ones = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
-        return swiglu(rows, ones).view(*fc1_out.shape[:-1], rows.shape[-1] // 2)
+        return swiglu(rows).view(*fc1_out.shape[:-1], rows.shape[-1] // 2)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         return {}  # no state; Megatron's MLP asks each of its children for its checkpoint shards

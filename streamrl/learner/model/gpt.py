@@ -22,6 +22,7 @@ q/k layernorms) and the expert weights by `allreduce=False` (`streamrl.learner.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,11 +30,13 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from streamrl.config.stages import CHEAP_RECOMPUTE
 from streamrl.learner.model.attention import PackedSequenceAttention
 from streamrl.learner.model.experts import GroupedExperts
 from streamrl.learner.model.fused import SwiGLU, token_cross_entropy
@@ -52,6 +55,7 @@ from streamrl.learner.model.moe import (
     moe_layers,
     num_experts,
 )
+from streamrl.learner.model.recompute import OURS, ReleasingRowParallelLinear
 from streamrl.learner.model.rope import rope_theta, scale_rotary_frequencies
 from streamrl.learner.model.wgrad import use_fused_wgrad_accumulation
 
@@ -117,12 +121,16 @@ def _pipeline_fields(
     )
 
 
-def _recompute_fields(recompute: str, recompute_num_layers: int, recompute_method: str) -> dict[str, Any]:
-    """Megatron's activation recomputation for `learner.recompute` (none, selective, full: `recompute_method`)."""
+def _recompute_fields(
+    recompute: str, recompute_num_layers: int, recompute_method: str, recompute_modules: list[str]
+) -> dict[str, Any]:
+    """Megatron's activation recomputation for `learner.recompute` (none, selective: Megatron's own names of
+    `recompute_modules`, full: `recompute_method`)."""
     if recompute == "none":
         return {}
-    if recompute == "selective":  # the core attention only (Megatron's default recompute_modules)
-        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "selective":  # our names join after Megatron's validation (`transformer_config`)
+        megatron_modules = [name for name in recompute_modules if name not in OURS]
+        return dict(recompute_granularity="selective", recompute_modules=megatron_modules)
     if recompute == "full":
         if recompute_method not in ("uniform", "block"):
             raise ValueError(f"learner.recompute_method: expected uniform or block, got {recompute_method!r}")
@@ -141,6 +149,7 @@ def model_layout(learner: Any) -> dict[str, Any]:
         "first_stage_layers": learner.first_stage_layers,
         "moe_dispatcher": learner.moe_dispatcher,
         "recompute_method": learner.recompute_method,
+        "recompute_modules": list(learner.recompute_modules),
     }
 
 
@@ -154,12 +163,14 @@ def transformer_config(
     moe_dispatcher: str = "alltoall",
     recompute_method: str = "uniform",
     trained_through_ddp: bool = False,
+    recompute_modules: Sequence[str] = CHEAP_RECOMPUTE,
 ) -> TransformerConfig:
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
     `params_dtype` is the dtype of the model's weights and activations (bfloat16: Megatron's optimizer keeps float32
     master weights, `streamrl.learner.optimizer`); `recompute` selects activation recomputation (none, selective:
-    core attention, full: `recompute_num_layers` layers by `recompute_method`); `moe_dispatcher` is Megatron's token
+    `recompute_modules` (`streamrl.learner.model.recompute`), full: `recompute_num_layers` layers by
+    `recompute_method`); `moe_dispatcher` is Megatron's token
     dispatcher of MoE layers (`learner.moe_dispatcher`). `trained_through_ddp`: the model's weights get Megatron DDP's
     float32 main grads (the trainer's models), which on a GPU each linear layer's weight-gradient GEMM then adds into
     directly (`streamrl.learner.model.wgrad`); a model trained any other way must not set it.
@@ -184,7 +195,7 @@ def transformer_config(
             kv_channels=head_dim(hf_config),
             qk_layernorm=has_qk_layernorm(hf_config),
         )
-    return config_class(
+    config = config_class(
         num_layers=hf_config["num_hidden_layers"],
         hidden_size=hf_config["hidden_size"],
         ffn_hidden_size=hf_config["intermediate_size"],
@@ -229,9 +240,12 @@ def transformer_config(
         **(
             _pipeline_fields(hf_config, last_stage_layers, first_stage_layers)
             | moe
-            | _recompute_fields(recompute, recompute_num_layers, recompute_method)
+            | _recompute_fields(recompute, recompute_num_layers, recompute_method, list(recompute_modules))
         ),
     )
+    if recompute == "selective":
+        config.recompute_modules = list(recompute_modules)  # with ours, which Megatron's validation refuses
+    return config
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -265,11 +279,22 @@ def _layer(config: TransformerConfig, sparse: bool) -> ModuleSpec:
     for mlp in mlps:
         if mlp is not None:
             mlp.submodules.activation_func = SwiGLU
+            mlp.submodules.linear_fc2 = _releasing(mlp.submodules.linear_fc2)
+    # The consumers of the activations `recompute_modules` may drop: they release them once used.
+    attention.linear_proj = _releasing(attention.linear_proj)
     # Our RMSNorm: fused on the GPU (the local spec's is eager torch), and it allows sequence parallelism.
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
     if config.qk_layernorm and not mla:
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     return spec
+
+
+def _releasing(linear: type) -> type:
+    """The local spec's row-parallel linear layer as one that releases a recomputable input
+    (`streamrl.learner.model.recompute`)."""
+    if linear is not RowParallelLinear:
+        raise ValueError(f"layer spec: expected Megatron's RowParallelLinear here, got {linear}")
+    return ReleasingRowParallelLinear
 
 
 def _layer_spec(

@@ -96,6 +96,7 @@ def test_rms_norm_compiles_once_per_width_on_gpu(monkeypatch: pytest.MonkeyPatch
     """Hidden states and q / k of every head count, with and without gradients (full recomputation's forward), of
     one width share the compiled graphs; before rows were flattened each leading shape was a graph of its own, and
     past torch's recompile limit the Qwen3-30B-A3B learner ran its norms eagerly."""
+    torch._dynamo.reset()  # count this test's graphs only, not those of the tests before it in this process
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4)
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     weight = torch.rand(128, device="cuda") + 0.5

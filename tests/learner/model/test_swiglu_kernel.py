@@ -1,7 +1,7 @@
 """streamrl.learner.model.swiglu_kernel (GPU only): the Triton backward equals float64 autograd of
-`silu(gate) * up * probs`, at the Qwen3-30B-A3B expert width and at a width that is no multiple of the kernel's
-column block, and handles no rows. The CPU runs `fused.swiglu` eagerly; tests/learner/model/test_fused.py
-checks the GPU path end to end against eager ops."""
+`silu(gate) * up * probs` (and of `silu(gate) * up`, without probabilities), at the Qwen3-30B-A3B expert width and
+at a width that is no multiple of the kernel's column block, and handles no rows. The CPU runs `fused.swiglu`
+eagerly; tests/learner/model/test_fused.py checks the GPU path end to end against eager ops."""
 
 from __future__ import annotations
 
@@ -29,3 +29,20 @@ def test_backward_matches_float64_autograd(rows: int, width: int, dtype: torch.d
     for result, reference in zip((d_fc1, d_probs), expected, strict=True):
         assert torch.isfinite(result).all()
         assert float((result.double() - reference).norm()) <= tolerance * float(reference.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "width"), [(1001, 768), (37, 300), (0, 768)])
+def test_backward_without_probabilities_matches_float64_autograd(rows: int, width: int, dtype: torch.dtype) -> None:
+    from streamrl.learner.model.swiglu_kernel import swiglu_backward
+
+    fc1_out = (torch.randn(rows, 2 * width, device="cuda") * 3).to(dtype)
+    grad = torch.randn(rows, width, device="cuda").to(dtype)
+    d_fc1, d_probs = swiglu_backward(fc1_out, None, grad)
+    assert d_probs is None and d_fc1.dtype == dtype and d_fc1.shape == fc1_out.shape
+    leaf = fc1_out.double().requires_grad_()
+    gate, up = leaf.chunk(2, dim=-1)
+    (expected,) = torch.autograd.grad(F.silu(gate) * up, leaf, grad.double())
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.isfinite(d_fc1).all()
+    assert float((d_fc1.double() - expected).norm()) <= tolerance * float(expected.norm())
