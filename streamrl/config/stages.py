@@ -169,8 +169,9 @@ class LearnerConfig(_Section):
         description="recompute=selective: what each layer drops after its forward and recomputes in backward. "
         "layernorm: both norms' outputs (Megatron's); mlp_act: every MLP's SwiGLU output (dense, shared and routed "
         "experts; Megatron's moe_act for all MLPs); attn_out: the packed copy of the attention output (its kernel "
-        "keeps a padded one); core_attn: the core attention (Megatron's; its kernel keeps no scores here, so it "
-        "saves little). The first three cost elementwise work and copies only, no GEMM.",
+        "keeps a padded one; not under context parallelism); core_attn: the core attention (Megatron's; its "
+        "kernel keeps no scores here, so it saves little). The first three cost elementwise work and copies only, "
+        "no GEMM.",
     )
     recompute_method: Literal["uniform", "block"] = Field(
         "uniform",

@@ -26,9 +26,9 @@ What each term assumes (Megatron's mixed-precision distributed optimizer, as `st
   all of theirs), plus one unit's activations while it is recomputed (block: the larger of that and what the chunk
   keeps, as the layers after the recomputed ones are done by then); `selective` drops what its `recompute_modules`
   name (`streamrl.learner.model.recompute`): `layernorm` both norms' outputs, `mlp_act` every SwiGLU output, `attn_out`
-  the attention output's packed copy; `core_attn` keeps no large tensors here, so it counts as nothing. 1F1B holds
-  (pipeline stages - stage) micro-batches at once (a step of at least that many micro-batches per data-parallel
-  rank). The last stage adds the logits (`_logits`);
+  the attention output's packed copy (without context parallelism); `core_attn` keeps no large tensors here, so it
+  counts as nothing. 1F1B holds (pipeline stages - stage) micro-batches at once (a step of at least that many
+  micro-batches per data-parallel rank). The last stage adds the logits (`_logits`);
 - the engine (vLLM): its weights in `rollout.dtype`, dense parameters split over its tensor-parallel ranks and
   experts over its expert-parallel ranks; staging buffers for the next version (a one-GPU engine apart from the
   learner: a whole version, as the weight transport keeps; colocated: two publish buckets, which arrive through host
@@ -177,6 +177,8 @@ def _activations(config: Config, hf: dict[str, Any], stage: StageParameters, kin
     learner, tokens = config.learner, config.batching.max_tokens_per_microbatch
     tp, cp = learner.tensor_parallel, learner.context_parallel
     recomputed = frozenset(learner.recompute_modules) if learner.recompute == "selective" else frozenset()
+    if cp > 1:  # the context-parallel attention's output is not recomputable (`streamrl.learner.model.attention`)
+        recomputed -= {"attn_out"}
     per_layer = [_layer_activation_elements(hf, sparse, tp, recomputed) * 2 * tokens / cp for sparse in kinds]  # bf16
     in_flight = learner.pipeline_parallel - stage.stage  # 1F1B warm-up depth of this stage
     if learner.recompute != "full":

@@ -170,10 +170,10 @@ def transformer_config(
     `params_dtype` is the dtype of the model's weights and activations (bfloat16: Megatron's optimizer keeps float32
     master weights, `streamrl.learner.optimizer`); `recompute` selects activation recomputation (none, selective:
     `recompute_modules` (`streamrl.learner.model.recompute`), full: `recompute_num_layers` layers by
-    `recompute_method`); `moe_dispatcher` is Megatron's token
-    dispatcher of MoE layers (`learner.moe_dispatcher`). `trained_through_ddp`: the model's weights get Megatron DDP's
-    float32 main grads (the trainer's models), which on a GPU each linear layer's weight-gradient GEMM then adds into
-    directly (`streamrl.learner.model.wgrad`); a model trained any other way must not set it.
+    `recompute_method`); `moe_dispatcher` is Megatron's token dispatcher of MoE layers (`learner.moe_dispatcher`).
+    `trained_through_ddp`: the model's weights get Megatron DDP's float32 main grads (the trainer's models), which on
+    a GPU each linear layer's weight-gradient GEMM then adds into directly (`streamrl.learner.model.wgrad`); a model
+    trained any other way must not set it.
     """
     _check_supported(hf_config)
     on_cpu = not torch.cuda.is_available()

@@ -22,7 +22,8 @@ Contract:
 
 What each of our names saves per token and layer: `mlp_act` the SwiGLU output (intermediate size, dense and shared
 experts; per routed copy of the token, the expert size), `attn_out` the attention output's packed copy (the kernel
-keeps its own padded one, from which the copy is gathered again). `streamrl.plan.memory` counts the same.
+keeps its own padded one, from which the copy is gathered again; packed sequences without context parallelism).
+`streamrl.plan.memory` counts the same.
 """
 
 from __future__ import annotations
