@@ -134,7 +134,7 @@ def _gigabytes(text: str) -> float:
 def _plan(config: Config, gpu_memory_gb: float | None) -> int:
     """Print the memory plan; 1 when a GPU of the layout does not fit, 2 when the layout cannot be built."""
     from streamrl.orchestrate import check_model_layout, model_architecture
-    from streamrl.plan import format_plan, plan_memory
+    from streamrl.plan import format_plan, plans_by_recompute
 
     try:
         architecture = model_architecture(config)
@@ -143,7 +143,8 @@ def _plan(config: Config, gpu_memory_gb: float | None) -> int:
         return 2
     if not _layout_fits(check_model_layout, config):
         return 2
-    plan = plan_memory(config, architecture, gpu_memory_gb or config.cluster.gpu_memory_gb)
+    by_recompute = plans_by_recompute(config, architecture, gpu_memory_gb or config.cluster.gpu_memory_gb)
+    plan = by_recompute[config.learner.recompute]
     learner, rollout = config.learner, config.rollout
     # Without cluster.gpus: the learner's GPUs, plus the engines' unless they share them.
     gpus = config.cluster.gpus or learner.world_size + (
@@ -157,7 +158,7 @@ def _plan(config: Config, gpu_memory_gb: float | None) -> int:
         f"{config.rollout.engines} x {config.rollout.gpus_per_engine} GPUs (TP {config.rollout.tensor_parallel} "
         f"EP {config.rollout.expert_parallel}){', colocated' if config.colocated else ''}; GB per GPU"
     )
-    print(format_plan(plan, title))
+    print(format_plan(plan, title, by_recompute))
     return 0 if plan.largest_overflow() is None else 1
 
 

@@ -2,6 +2,13 @@
 engine's KV cache holds."""
 
 from streamrl.plan.kv_cache import check_kv_cache, kv_cache_bytes_per_token
-from streamrl.plan.memory import MemoryPlan, format_plan, plan_memory
+from streamrl.plan.memory import MemoryPlan, format_plan, plan_memory, plans_by_recompute
 
-__all__ = ["MemoryPlan", "check_kv_cache", "format_plan", "kv_cache_bytes_per_token", "plan_memory"]
+__all__ = [
+    "MemoryPlan",
+    "check_kv_cache",
+    "format_plan",
+    "kv_cache_bytes_per_token",
+    "plan_memory",
+    "plans_by_recompute",
+]

@@ -250,9 +250,12 @@ def _engine(config: Config, stages: list[StageParameters]) -> dict[str, float]:
     return {"weights": per_gpu, "staging": staging, "kv cache": rollout.kv_cache_bytes, "runtime": RUNTIME_BYTES}
 
 
-def plan_memory(config: Config, hf_config: dict[str, Any], gpu_memory_gb: float) -> MemoryPlan:
-    """The memory plan of `config`'s layout for the model `hf_config` (see the module docstring)."""
-    stages = stage_parameters(hf_config, config.learner)
+def plan_memory(
+    config: Config, hf_config: dict[str, Any], gpu_memory_gb: float, stages: list[StageParameters] | None = None
+) -> MemoryPlan:
+    """The memory plan of `config`'s layout for the model `hf_config` (see the module docstring); `stages`: the
+    layout's `stage_parameters`, when built already."""
+    stages = stages or stage_parameters(hf_config, config.learner)
     sparse, start, learner = moe_layers(hf_config), 0, []
     by_kind: dict[tuple, LearnerStage] = {}
     for stage in stages:
@@ -283,8 +286,21 @@ def plan_memory(config: Config, hf_config: dict[str, Any], gpu_memory_gb: float)
     return MemoryPlan(gpu_memory_gb * GB, config.colocated, learner, engine, host, node, notes)
 
 
-def format_plan(plan: MemoryPlan, title: str) -> str:
-    """The plan as a table: one row per distinct learner stage and one for the engine, GB per GPU."""
+def plans_by_recompute(config: Config, hf_config: dict[str, Any], gpu_memory_gb: float) -> dict[str, MemoryPlan]:
+    """The plan of `config`'s layout under each `learner.recompute` setting, least recomputation first (selective
+    with the config's `recompute_modules`, full with its method and layer count), the stages built once: what
+    `streamrl plan` compares, so that a user sees the least recomputation that fits (each costs step time)."""
+    stages = stage_parameters(hf_config, config.learner)  # parameter shapes do not depend on recomputation
+    plans = {}
+    for recompute in ("none", "selective", "full"):
+        learner = config.learner.model_copy(update={"recompute": recompute})
+        plans[recompute] = plan_memory(config.model_copy(update={"learner": learner}), hf_config, gpu_memory_gb, stages)
+    return plans
+
+
+def format_plan(plan: MemoryPlan, title: str, by_recompute: dict[str, MemoryPlan] | None = None) -> str:
+    """The plan as a table: one row per distinct learner stage and one for the engine, GB per GPU; with
+    `by_recompute` (`plans_by_recompute`), a line of each recompute setting's peak and the least that fits."""
     terms = ["parameters", "gradients", "optimizer", "activations", "logits", "runtime"]
     head = f"{'GPU':<22}{'layers':>7}{'params':>9}" + "".join(f"{t[:11]:>12}" for t in terms) + f"{'total':>9}"
     lines = [title, head]
@@ -312,5 +328,10 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         + (f" of {plan.host_memory / GB:.0f} GB" if plan.host_memory else "")
         + " (offloaded optimizer state, parked tensors, loading)"
     )
+    if by_recompute:
+        peaks = ", ".join(f"{name} {other.peak() / GB:.1f} GB" for name, other in by_recompute.items())
+        fitting = [name for name, other in by_recompute.items() if other.largest_overflow() is None]
+        least = f"the least that fits: {fitting[0]}" if fitting else "none fits"
+        lines.append(f"learner.recompute at peak: {peaks}; {least}")
     lines.append("fits" if fits is None else f"does not fit: {fits}")
     return "\n".join(lines)

@@ -140,6 +140,28 @@ def test_a_layout_that_does_not_fit_names_its_largest_term(capsys: pytest.Captur
     assert main([*args[:4], "--gpu-memory", "180GiB"]) == 0  # 193 GB
 
 
+def test_plan_names_the_least_recomputation_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """Beside the configured setting, `streamrl plan` prints each `learner.recompute` setting's peak (the same plans
+    as each setting configured) and the least recomputation that fits: the ~3.6B layout, configured with full
+    recomputation, fits without any on a 141 GB GPU, needs selective at 100 GB and full at 80 GB."""
+    base = ["rollout.engines=2", "learner.data_parallel=2"]
+    config = load_config(CONFIGS / "qwen3-large-gpu.yaml", base)
+    hf = tiny_model_config("qwen3", "large")
+    peaks = {
+        r: plan_memory(load_config(CONFIGS / "qwen3-large-gpu.yaml", [*base, f"learner.recompute={r}"]), hf, 141).peak()
+        for r in ("none", "selective", "full")
+    }
+    assert peaks["none"] > peaks["selective"] > peaks["full"]
+    for memory, least in (("141", "none"), ("100", "selective"), ("80", "full"), ("40", None)):
+        assert main(["plan", "-c", str(CONFIGS / "qwen3-large-gpu.yaml"), *base, "--gpu-memory", memory]) == (
+            0 if config.learner.recompute == "full" and least else 1
+        )
+        line = capsys.readouterr().out.splitlines()[-2]
+        listed = ", ".join(f"{r} {peak / GB:.1f} GB" for r, peak in peaks.items())
+        verdict = f"the least that fits: {least}" if least else "none fits"
+        assert line == f"learner.recompute at peak: {listed}; {verdict}"
+
+
 def test_a_node_whose_host_memory_is_too_small_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     """With `cluster.host_memory_gb` set, the node's planned host memory must stay under HOST_USABLE of it: Qwen3-30B
     -A3B with all its optimizer state on the host of a 512 GiB node (the measured case that ran out) does not fit."""
