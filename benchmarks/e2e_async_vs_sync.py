@@ -147,6 +147,8 @@ def measure(config: Config, mode: str, warmup: int) -> dict[str, Any]:
         "generate_wait_s": mean("perf/generate_wait_s"),  # sync: the engines' turn, before the learner's step
         "engine_sleep_s": mean("perf/engine_sleep_s"),  # colocated: the engines freeing their GPUs
         "engine_wake_s": mean("perf/engine_wake_s"),
+        # Learner allocations retried after emptying the allocator's cache: a step slowed by memory pressure.
+        "alloc_retries": mean("perf/alloc_retries"),
         "reward_per_sample": statistics.fmean(rewards),
         "reward_last_quarter": statistics.fmean(rewards[-quarter:]),
         # Adam's eps compares with a parameter's gradient, so a late-phase norm over sqrt(parameters) sizes it.
@@ -242,10 +244,10 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     print(
         "| mode | GPUs (engines + learner) | staleness | wall s | first step s | gen tok/s | trained tok/s | "
         "vs best sync | engine GPU busy steady / run | learner GPU busy steady / run | lag | drops | "
-        "response len mean / max | sync gen wait s | step s | wait s | fwd+bwd s | publish s | reward/sample | "
-        "reward at equal versions |"
+        "response len mean / max | sync gen wait s | step s | wait s | fwd+bwd s | alloc retries | publish s | "
+        "reward/sample | reward at equal versions |"
     )
-    print("|" + "---|" * 20)
+    print("|" + "---|" * 21)
     for r in runs:
         # Runs measured before the steady window was sampled have the whole run's busy fraction only.
         busy = [
@@ -258,13 +260,14 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         if "response_length_max" in r:
             lengths = f"{r['response_length_mean']:.0f} / {r['response_length_max']:.0f}"
         ratio = "-" if sync is None else f"{r['steady_trained_tokens_per_s'] / sync:.2f}"
+        retries = "-" if "alloc_retries" not in r else f"{r['alloc_retries']:.1f}"  # older runs did not count them
         print(
             f"| {r['mode']} | {r.get('gpus', '-')} | {r['max_staleness']} | {r['wall_s']:.1f} | "
             f"{r['first_step_s']:.1f} | "
             f"{r['steady_generated_tokens_per_s']:.0f} | {r['steady_trained_tokens_per_s']:.0f} | {ratio} | "
             f"{busy[0]} | {busy[1]} | {r['policy_lag_mean']:.2f} | {r['dropped_stale']:.0f} | {lengths} | "
             f"{r['generate_wait_s']:.3f} | {r['step_s']:.3f} | {r['wait_s']:.3f} | "
-            f"{r['forward_backward_s']:.3f} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} | "
+            f"{r['forward_backward_s']:.3f} | {retries} | {r['publish_s']:.3f} | {r['reward_per_sample']:.3f} | "
             f"{r['reward_at_equal_versions']:.3f} |"
         )
 

@@ -1,11 +1,13 @@
-"""Per-step performance accounting of a learner rank: time per phase, model FLOPs, peak memory.
+"""Per-step performance accounting of a learner rank: time per phase, model FLOPs, peak memory, allocator retries.
 
 `StepTimer.phase(name)` times a block (synchronising the GPU at its edges, so asynchronous kernels are
 charged to the phase that launched them). `training_flops` counts model FLOPs of the micro-batches a rank
 ran: 3x the forward FLOPs of `streamrl.batching.cost.flops_cost_model` per packed sequence that carries loss weight
 (its docstring writes the formulas for dense, MoE and multi-latent attention models; backward costs twice the forward;
 no recomputation counted; padding and filler sequences, all zero weight, are not model work).
-MFU = model FLOP/s per rank / `learner.peak_tflops`.
+MFU = model FLOP/s per rank / `learner.peak_tflops`. `allocator_retries` counts the GPU allocations since the last
+call that found no free block and were retried after the caching allocator returned its cached blocks to the driver:
+each synchronises the device and unmaps memory, so a step near the GPU's capacity slows without running out.
 """
 
 from __future__ import annotations
@@ -54,3 +56,12 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def allocator_retries(device: torch.device) -> int:
+    """Allocations retried after freeing the allocator's cache since the previous call (GPU; 0 on the host)."""
+    if device.type != "cuda":
+        return 0
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    torch.cuda.reset_accumulated_memory_stats(device)  # the count restarts: one step's worth per call
+    return int(retries)

@@ -38,7 +38,7 @@ from streamrl.learner.model.router_stats import RouterLoad
 from streamrl.learner.model.routing_replay import enable_routing_replay
 from streamrl.learner.optimizer import build_training
 from streamrl.learner.parity import ParityCheck
-from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
+from streamrl.learner.perf import StepTimer, allocator_retries, peak_memory_gib, training_flops
 from streamrl.learner.pipeline import run_microbatches
 from streamrl.learner.reference import reference_chunks, reference_logprobs
 from streamrl.learner.step_stats import StepStats
@@ -174,18 +174,21 @@ class Trainer:
         totals = totals.reduce(
             ps.get_data_parallel_group(with_context_parallel=True), ps.get_pipeline_model_parallel_group(), self.device
         )
-        peak = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        local = [peak_memory_gib(self.device), allocator_retries(self.device)]
+        memory = torch.tensor(local, dtype=torch.float64, device=self.device)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)  # the fullest rank's
+        peak, retries = memory.tolist()
         moe = self.router_load.metrics() if self.router_load is not None else {}
-        metrics = moe | parity | self._perf_metrics(timer, totals.flops, float(peak))
+        metrics = moe | parity | self._perf_metrics(timer, totals.flops, peak, retries)
         metrics |= {"train/updates": updates, "train/lr": lr}
         return TrainResult(totals, grad_norm, metrics)
 
-    def _perf_metrics(self, timer: StepTimer, flops: float, peak_gib: float) -> dict[str, float]:
+    def _perf_metrics(self, timer: StepTimer, flops: float, peak_gib: float, retries: float) -> dict[str, float]:
         compute_s = sum(timer.seconds.values())
         per_rank_tflops = flops / max(compute_s, 1e-9) / dist.get_world_size() / 1e12
         metrics = {f"perf/{name}_s": seconds for name, seconds in timer.seconds.items()}
         metrics |= {"perf/model_tflops_per_rank": per_rank_tflops, "perf/peak_memory_gib": peak_gib}
+        metrics["perf/alloc_retries"] = retries  # memory pressure: allocations retried after freeing the cache
         if self.config.learner.peak_tflops:
             metrics["perf/mfu"] = per_rank_tflops / self.config.learner.peak_tflops
         if self.device.type == "cuda":

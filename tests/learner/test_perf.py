@@ -8,7 +8,7 @@ import torch
 
 from streamrl.batching.cost import CostModel, flops_cost_model
 from streamrl.batching.microbatch import pad_microbatch
-from streamrl.learner.perf import StepTimer, peak_memory_gib, training_flops
+from streamrl.learner.perf import StepTimer, allocator_retries, peak_memory_gib, training_flops
 from streamrl.types import MicroBatch
 
 
@@ -109,3 +109,4 @@ def test_step_timer_accumulates_phases_and_memory_is_reported() -> None:
             time.sleep(0.01)
     assert timer.seconds["forward_backward"] == pytest.approx(0.02, abs=0.015)
     assert peak_memory_gib(torch.device("cpu")) > 0
+    assert allocator_retries(torch.device("cpu")) == 0  # the host has no caching allocator to retry

@@ -95,6 +95,7 @@ def test_learning(tmp_path: Path) -> None:
         "perf/optimizer_s",
         "perf/model_tflops_per_rank",
         "perf/peak_memory_gib",
+        "perf/alloc_retries",
         "perf/iteration_s",
     ):
         assert all(np.isfinite(row[key]) for row in history), key
