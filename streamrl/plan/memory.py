@@ -127,14 +127,13 @@ class MemoryPlan:
 
 def _attention_widths(hf: dict[str, Any]) -> int:
     """Per token and layer: the q, k, v widths and twice the attention output's, summed (elements)."""
-    heads = hf["num_attention_heads"]
-    if hf.get("kv_lora_rank"):  # multi-latent attention: per-head q/k of nope + rope dims, v of v_head_dim
+    heads, output = hf["num_attention_heads"], _attention_output_width(hf)
+    if hf.get("kv_lora_rank"):  # multi-latent attention: per-head q/k of nope + rope dims, v as wide as the output
         qk = heads * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"])
         latents = (hf.get("q_lora_rank") or 0) + hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
-        return 2 * qk + 3 * heads * hf["v_head_dim"] + latents
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    kv = hf.get("num_key_value_heads") or heads
-    return 3 * heads * head_dim + 2 * kv * head_dim
+        return 2 * qk + output + latents + 2 * output
+    kv = (hf.get("num_key_value_heads") or heads) * (output // heads)
+    return output + 2 * kv + 2 * output  # q as wide as the output
 
 
 def _layer_activation_elements(hf: dict[str, Any], sparse: bool, tp: int, recomputed: frozenset[str]) -> float:
