@@ -41,6 +41,12 @@ class RolloutConfig(_Section):
     kv_cache_bytes: int = Field(64 << 20, gt=0, description="KV cache budget per engine, bytes (bounded on CPU).")
     max_model_len: int = Field(256, gt=0, description="Longest prompt + response an engine accepts.")
     start_timeout_s: float = Field(300.0, gt=0, description="Bound on an engine's start-up.")
+    stall_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="An engine that makes no token for this long while requests run in it (its loop waiting on it "
+        "all the while) is stalled: its process ends and it is replaced like a dead engine.",
+    )
     weight_update: Literal["inflight", "drain"] = Field(
         "inflight", description="Apply a new version between decoding steps (inflight) or once no request runs."
     )

@@ -17,6 +17,8 @@ Contract
   that a version refused before its first bucket still leaves the engine able to run) and returns the bytes freed on
   its GPUs; `wake(tags)` brings back "weights" (for a publish), then "kv_cache" (None: both); `sleeping` is true until
   both are back. A subclass gives `_free_memory()` (free bytes on each of its GPUs), `_sleep()` and `_wake_up(tags)`.
+- `trajectory_group(...)`: a finished request's samples and rewards as the `TrajectoryGroup` the stream carries.
+- `outputs_recorded` counts vLLM's outputs taken into the table (each carries new tokens, or a request's end).
 - `lost()`: whether a process of the engine's vLLM died, seen without asking it anything (the rollout worker's loop
   looks each turn, so an engine with nothing to decode is replaced too); the next call would raise `EngineLost`.
 """
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from streamrl.types import Trajectory, TrajectoryGroup
 
 
 class EngineLost(RuntimeError):
@@ -55,6 +59,24 @@ class Sample:
         return np.asarray(self.routes)
 
 
+def trajectory_group(
+    request_id: str, engine_id: str, prompt_ids: list[int], samples: list[Sample], rewards: np.ndarray
+) -> TrajectoryGroup:
+    """The group of one finished request: its samples with their rewards, as the stream carries them."""
+    responses = [
+        Trajectory(
+            np.asarray(s.token_ids, np.int32),
+            np.asarray(s.logprobs, np.float32),
+            np.asarray(s.versions, np.int32),
+            float(reward),
+            s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
+            s.input_routes(len(prompt_ids)),
+        )
+        for s, reward in zip(samples, rewards.tolist(), strict=True)
+    ]
+    return TrajectoryGroup.from_responses(request_id, engine_id, np.asarray(prompt_ids), responses)
+
+
 class RequestTable(abc.ABC):
     """Requests in flight and finished, and the policy version the engine's weights correspond to."""
 
@@ -67,6 +89,7 @@ class RequestTable(abc.ABC):
         self._finished: dict[str, list[Sample]] = {}
         self._prompt_logprobs: dict[str, list[Any]] = {}
         self._next_id = 0
+        self.outputs_recorded = 0  # vLLM's outputs of requests in the table so far (the rollout worker's stall watch)
 
     @abc.abstractmethod
     def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
@@ -161,6 +184,7 @@ class RequestTable(abc.ABC):
             samples = self._running.get(request_id)
             if samples is None:
                 continue
+            self.outputs_recorded += 1
             if request_id in self._prompt_logprobs:  # a scoring request: only its prompt log-probs matter
                 self._prompt_logprobs[request_id].extend(out.prompt_logprobs or [])
             else:

@@ -14,7 +14,8 @@ Threads of the actor and what they own:
 - the outbox's pusher: the only thread that writes to the stream (and encodes the groups it pushes).
 - receivers (`receive_weights()`): `version_receiver.py` receives each version (staged, streamed, or in the vLLM
   workers of an engine of several GPUs) and has the loop apply it whole between two steps (invariant 3). A version
-  lost half way or a dead vLLM process (a failed step; `engine.lost()` at each turn, idle or not) ends this process.
+  lost half way, a dead vLLM process (a failed step; `engine.lost()` at each turn, idle or not) or an engine that
+  makes no token for `rollout.stall_timeout_s` of waiting on it (`stall_watch.py`) ends this process.
 - callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
 Sync mode: the loop starts only the prompts of this engine's budget for the step (`streamrl.queue.sync_budget`, in
 Redis), under the announced version; `step_done()` tells the driver that they are all in the stream. Colocated (the
@@ -38,7 +39,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import numpy as np
 import redis
 
 from streamrl.config import Config
@@ -49,10 +49,10 @@ from streamrl.rewards import PendingGroup, RewardPool
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
-from streamrl.rollout.request_table import EngineLost, Sample
+from streamrl.rollout.request_table import EngineLost, Sample, trajectory_group
 from streamrl.rollout.staleness_gate import StalenessGate
+from streamrl.rollout.stall_watch import StallWatch
 from streamrl.rollout.version_receiver import VersionReceiver
-from streamrl.types import Trajectory, TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
@@ -128,6 +128,8 @@ class RolloutWorker:
         self._inline = threading.RLock()
         self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
         self.tokens_generated, self.prompts_too_long = 0, 0
+        # An engine that makes no token while the loop waits on it (a frozen rank or worker) is lost like a dead one.
+        self.stall_watch = StallWatch(rollout.stall_timeout_s, self._engine_lost)
         # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
         # during long runs, so the driver reports it (rollout/engine_start_s: the slowest engine).
         self.start_s = time.perf_counter() - started
@@ -178,6 +180,7 @@ class RolloutWorker:
                 self._loop_running.clear()
                 self._run_tasks()
             self.outbox.close()
+            self.stall_watch.close()
             self._decoder.shutdown(wait=False, cancel_futures=True)
             self.rewards.close()
             if self.gate is not None:
@@ -186,16 +189,26 @@ class RolloutWorker:
         return self.outbox.groups_pushed
 
     def _step(self) -> None:
-        try:
-            self.engine.step()
-        except Exception:  # noqa: BLE001 - vLLM failed (a worker process died, a device error): the engine is lost
-            self._engine_lost("vLLM failed in a decoding step")
+        outputs = self.engine.outputs_recorded
+        with self.stall_watch.waiting():
+            try:
+                self.engine.step()
+            except Exception:  # noqa: BLE001 - vLLM failed (a worker process died, a device error): the engine is lost
+                self._engine_lost("vLLM failed in a decoding step")
+        if self.engine.outputs_recorded != outputs:
+            self.stall_watch.progressed()
 
     def _engine_lost(self, what: str) -> NoReturn:
         """End this process: the fleet replaces a dead engine (bounded by rollout.max_engine_restarts), which resumes
-        this engine's prompt stream and catches up to the latest version; an exception would end the job instead."""
+        this engine's prompt stream and catches up to the latest version; an exception would end the job instead.
+        vLLM's processes are killed first: a frozen one would not see this one end, and keep its GPU memory."""
+        import psutil  # a dependency of vLLM
+
         logger.error("%s: %s; ending so that the engine is replaced", self.engine_id, what, exc_info=sys.exc_info()[1])
         logging.shutdown()
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         os._exit(1)
 
     def stop(self) -> None:
@@ -327,26 +340,12 @@ class RolloutWorker:
             if rewards is None:
                 still.append(finished)
                 continue
-            group = self._group(finished.request_id, finished.prompt_ids, finished.samples, rewards)
+            group = trajectory_group(
+                finished.request_id, self.engine_id, finished.prompt_ids, finished.samples, rewards
+            )
             self.tokens_generated += len(group.response_ids)
             self.outbox.put(group)
         self._scoring = still
-
-    def _group(
-        self, request_id: str, prompt_ids: list[int], samples: list[Sample], rewards: np.ndarray
-    ) -> TrajectoryGroup:
-        responses = [
-            Trajectory(
-                np.asarray(s.token_ids, np.int32),
-                np.asarray(s.logprobs, np.float32),
-                np.asarray(s.versions, np.int32),
-                float(reward),
-                s.finish_reason if s.finish_reason in ("stop", "length") else "abort",
-                s.input_routes(len(prompt_ids)),
-            )
-            for s, reward in zip(samples, rewards.tolist(), strict=True)
-        ]
-        return TrajectoryGroup.from_responses(request_id, self.engine_id, np.asarray(prompt_ids), responses)
 
     def _run_tasks(self) -> None:
         while True:

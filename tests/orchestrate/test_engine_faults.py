@@ -3,14 +3,16 @@ next publish fail part-way; that neither hangs the learner nor leaves a half-upd
 replacement catches up to the latest version by itself, continuing the dead engine's prompt stream: no prompt
 skipped, none made into two groups. Engines lost while the driver waits for a step's groups are replaced by it. An
 engine of two GPUs that loses one of its vLLM worker processes, or one of its data-parallel ranks, is replaced the
-same way."""
+same way, and so is one whose worker or rank freezes (no token while requests run: `rollout.stall_timeout_s`)."""
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 
@@ -113,6 +115,7 @@ def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path, e
         # other test worker busy, 30 s was once too short (gloo's connect timed out).
         "train.publish_timeout_s=60",
         "queue.max_staleness=100",
+        "rollout.stall_timeout_s=15",
     )
     prepare_run(config)
     with Cluster(config) as cluster:
@@ -130,4 +133,24 @@ def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path, e
         assert ray.get(cluster.engines[0].policy_version.remote(), timeout=30) == 2
         assert_logprob_parity(cluster, config)
         cluster.learner_step(3)
+        assert_every_prompt_once(cluster.redis_client, config)
+        # The replacement's own worker (or rank) now freezes instead (SIGSTOP: as a hung GPU or collective would). The
+        # engine makes no token, its stall watch ends it with the frozen process, and the driver's wait for the next
+        # step's groups replaces it.
+        frozen = ray.get(cluster.engines[0].__ray_call__.remote(_vllm_pids, victims), timeout=30)[1]
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            step, deadline = 3, time.monotonic() + 240
+            while cluster.engines_restarted < 2 and time.monotonic() < deadline:  # what is queued trains meanwhile
+                step += 1
+                cluster.learner_step(step)
+            assert cluster.engines_restarted == 2
+            assert not psutil.pid_exists(frozen) or psutil.Process(frozen).status() == psutil.STATUS_ZOMBIE
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)
+        cluster.publisher.publish(step)
+        assert ray.get(cluster.engines[0].policy_version.remote(), timeout=30) == step
+        assert_logprob_parity(cluster, config)
+        cluster.learner_step(step + 1)
         assert_every_prompt_once(cluster.redis_client, config)
