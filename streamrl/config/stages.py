@@ -179,6 +179,12 @@ class LearnerConfig(_Section):
         "kernel keeps no scores here, so it saves little). The first three cost elementwise work and copies only, "
         "no GEMM.",
     )
+    attention_kernel: Literal["auto", "flash", "cudnn"] = Field(
+        "auto",
+        description="GPU, bf16/fp16: the SDPA kernel the packed attention asks for first (flash: PyTorch's flash "
+        "attention; cudnn: cuDNN's, which builds a graph for every new padded shape); auto: PyTorch's own order. "
+        "A kernel that cannot take a call falls back to the others.",
+    )
     recompute_method: Literal["uniform", "block"] = Field(
         "uniform",
         description="recompute=full, Megatron's methods: uniform recomputes every layer, in blocks of "

@@ -4,7 +4,9 @@ Contract: `PackedSequenceAttention` plugs into a Megatron layer spec as `core_at
 `forward` signature as `megatron.core.transformer.dot_product_attention.DotProductAttention`) and computes causal
 softmax attention with grouped-query heads through `torch.nn.functional.scaled_dot_product_attention` on CPU and
 GPU alike (on an H200, PyTorch's variable-length flash kernel over the whole packed row and cuDNN's ragged
-attention both ran slower than cuDNN's attention on the sequences themselves).
+attention both ran slower than SDPA on the sequences themselves). On the GPU in bf16/fp16 the kernel SDPA tries first
+is the config's `attention_kernel` (`learner.attention_kernel`: flash, cudnn, or auto for PyTorch's own order; a kernel
+that cannot take a call falls back to the next).
 
 - Packed (`packed_seq_params.qkv_format == 'thd'`): query `[T, heads, d]`, key/value `[T, kv_heads, d]` hold
   the concatenated sequences whose boundaries are `packed_seq_params.cu_seqlens_q` (int32[n+1], kept on the
@@ -37,6 +39,7 @@ Dropout is not supported (RL log-probs must be deterministic functions of the we
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -49,6 +52,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from streamrl.learner.context_parallel import gathered_rows
@@ -60,6 +64,11 @@ from streamrl.learner.model.recompute import recomputable, recompute_modules
 # host (forward and backward), so buckets of short sequences are not split for padding that costs nothing.
 PAD_SLACK = 1.25
 FREE_AREA = 512 * 512
+# `learner.attention_kernel`: the order in which SDPA tries its kernels (the first that takes a call runs it).
+KERNEL_ORDER = {
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+}
 
 
 def grid_size(n: int) -> int:
@@ -175,6 +184,10 @@ class PackedSequenceAttention(MegatronModule):
             raise ValueError("apply_query_key_layer_scaling: not supported")
         self.softmax_scale = softmax_scale  # None: SDPA's default 1/sqrt(head_dim), as Megatron's
         self.recompute_output = "attn_out" in recompute_modules(config)
+        kernel = getattr(config, "attention_kernel", "auto")
+        if kernel not in ("auto", *KERNEL_ORDER):
+            raise ValueError(f"attention_kernel: expected auto, flash or cudnn, got {kernel!r}")
+        self.kernel_order = KERNEL_ORDER.get(kernel)  # None: PyTorch's own
         # Megatron hands its process groups over; a module built outside a parallel world has no CP group.
         cp_group = getattr(pg_collection, "cp", None)
         if cp_group is None:
@@ -217,9 +230,13 @@ class PackedSequenceAttention(MegatronModule):
         in_place = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and mask == {"is_causal": True}
         if groups > 1 and not in_place:
             key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
-        return F.scaled_dot_product_attention(
-            query, key, value, scale=self.softmax_scale, enable_gqa=groups > 1 and in_place, **mask
-        )
+        # The kernel asked for first where it matters (`learner.attention_kernel`); SDPA's backward runs the kernel its
+        # forward ran.
+        ordered = sdpa_kernel(self.kernel_order, set_priority=True) if self.kernel_order and in_place else None
+        with ordered or contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                query, key, value, scale=self.softmax_scale, enable_gqa=groups > 1 and in_place, **mask
+            )
 
     def _packed(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor

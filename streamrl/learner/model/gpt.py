@@ -150,6 +150,7 @@ def model_layout(learner: Any) -> dict[str, Any]:
         "moe_dispatcher": learner.moe_dispatcher,
         "recompute_method": learner.recompute_method,
         "recompute_modules": list(learner.recompute_modules),
+        "attention_kernel": learner.attention_kernel,
     }
 
 
@@ -164,13 +165,15 @@ def transformer_config(
     recompute_method: str = "uniform",
     trained_through_ddp: bool = False,
     recompute_modules: Sequence[str] = CHEAP_RECOMPUTE,
+    attention_kernel: str = "auto",
 ) -> TransformerConfig:
     """Translate a HF config into a Megatron `TransformerConfig` for this process's device and parallel layout.
 
     `params_dtype` is the dtype of the model's weights and activations (bfloat16: Megatron's optimizer keeps float32
     master weights, `streamrl.learner.optimizer`); `recompute` selects activation recomputation (none, selective:
     `recompute_modules` (`streamrl.learner.model.recompute`), full: `recompute_num_layers` layers by
-    `recompute_method`); `moe_dispatcher` is Megatron's token dispatcher of MoE layers (`learner.moe_dispatcher`).
+    `recompute_method`); `moe_dispatcher` is Megatron's token dispatcher of MoE layers (`learner.moe_dispatcher`);
+    `attention_kernel` the SDPA kernel the packed attention asks for first (`learner.attention_kernel`).
     `trained_through_ddp`: the model's weights get Megatron DDP's float32 main grads (the trainer's models), which on
     a GPU each linear layer's weight-gradient GEMM then adds into directly (`streamrl.learner.model.wgrad`); a model
     trained any other way must not set it.
@@ -245,6 +248,7 @@ def transformer_config(
     )
     if recompute == "selective":
         config.recompute_modules = list(recompute_modules)  # with ours, which Megatron's validation refuses
+    config.attention_kernel = attention_kernel  # ours: read by `attention.PackedSequenceAttention`
     return config
 
 

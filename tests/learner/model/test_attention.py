@@ -49,7 +49,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(q), -1)
 
 
-def _attention(heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> PackedSequenceAttention:
+def _attention(
+    heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, kernel: str = "auto"
+) -> PackedSequenceAttention:
     config = TransformerConfig(
         num_layers=1,
         hidden_size=heads * head_dim,
@@ -58,7 +60,13 @@ def _attention(heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEA
         kv_channels=head_dim,
         attention_dropout=0.0,
     )
+    config.attention_kernel = kernel  # as `gpt.transformer_config` sets it from learner.attention_kernel
     return PackedSequenceAttention(config, 1, AttnMaskType.causal, "self")
+
+
+def test_an_unknown_attention_kernel_is_refused() -> None:
+    with pytest.raises(ValueError, match="attention_kernel"):
+        _attention(kernel="xformers")
 
 
 def _packed_params(lengths: list[int]) -> PackedSeqParams:
@@ -157,14 +165,21 @@ def test_unpacked_attention_is_causal_per_row() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_packed_attention_equals_each_sequence_alone_on_gpu() -> None:
+@pytest.mark.parametrize("kernel, runs", [("auto", ""), ("flash", "flash"), ("cudnn", "cudnn")])
+def test_packed_attention_equals_each_sequence_alone_on_gpu(kernel: str, runs: str) -> None:
+    """Every `learner.attention_kernel` computes each sequence's own attention, and the one asked for runs it."""
     lengths, heads, kv_heads, head_dim = [300, 1, 77, 1030, 5, 512], 32, 4, 128  # the Qwen3-30B-A3B heads
     torch.manual_seed(0)
     q, k, v = (torch.randn(sum(lengths), h, head_dim, device="cuda") for h in (heads, kv_heads, kv_heads))
     leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-    out = _attention(heads, kv_heads, head_dim)(*leaves, None, packed_seq_params=_packed_params(lengths))
-    cotangent = torch.randn_like(out, dtype=torch.float32)
-    grads = torch.autograd.grad((out.float() * cotangent).sum(), leaves)
+    attention = _attention(heads, kv_heads, head_dim, kernel)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        out = attention(*leaves, None, packed_seq_params=_packed_params(lengths))
+        cotangent = torch.randn_like(out, dtype=torch.float32)
+        grads = torch.autograd.grad((out.float() * cotangent).sum(), leaves)
+        torch.cuda.synchronize()
+    kernels = {event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+    assert any(runs in name.lower() for name in kernels), sorted(kernels)
     # The reference in float64 on the same (bf16-rounded) inputs, sequence by sequence.
     exact = [t.detach().double().requires_grad_() for t in leaves]
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
