@@ -103,7 +103,10 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         results.append((time.perf_counter() - start, result.metrics))
         if rank == 0:
             phases = ", ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in result.metrics.items() if k.endswith("_s"))
-            print(f"step {step}{' (warm-up)' if not step else ''}: {results[-1][0]:.2f} s ({phases})", flush=True)
+            # Memory pressure: allocations retried after the caching allocator emptied its cache.
+            retries = int(result.metrics.get("perf/alloc_retries", 0))
+            label = f"step {step}{' (warm-up)' if not step else ''}"
+            print(f"{label}: {results[-1][0]:.2f} s ({phases}), {retries} alloc retries", flush=True)
     reserved = torch.tensor([torch.cuda.max_memory_reserved(device) / GB if cuda else 0.0], device=device)
     dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
     timed = results[1:]
@@ -127,6 +130,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
                     "warmup_phases": {k: v for k, v in results[0][1].items() if k.endswith("_s")},
                     "step_seconds": seconds,
                     "steps": [s for s, _ in timed],
+                    "alloc_retries": [int(m.get("perf/alloc_retries", 0)) for _, m in timed],
                     "tokens": int(np.median(tokens[1:])),
                     "tokens_per_s": sum(tokens[1:]) / sum(s for s, _ in timed),
                     "vary": args.vary,
