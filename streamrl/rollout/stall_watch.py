@@ -10,6 +10,10 @@ Contract
   step blocked in vLLM's output queue) is seen too: once the count passes `timeout_s`, `on_stall(message)` is
   called once, from the watch thread (the rollout worker ends its process there, and the fleet replaces the
   engine).
+- Until the first `progressed()` the bound is `first_token_timeout_s` (default: `timeout_s`): an engine's first steps
+  do work once (kernels built or loaded at first use), and a machine busy starting the engine's processes slows them
+  (seen: a replacement's first step took 16 s on a loaded 2-core machine); the rollout worker passes
+  `rollout.start_timeout_s`, the bound on the rest of an engine's start.
 - `close()` ends the watch thread.
 """
 
@@ -22,10 +26,15 @@ from contextlib import contextmanager
 
 
 class StallWatch:
-    def __init__(self, timeout_s: float, on_stall: Callable[[str], None]) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s: must be positive, got {timeout_s}")
-        self.timeout_s = timeout_s
+    def __init__(
+        self, timeout_s: float, on_stall: Callable[[str], None], first_token_timeout_s: float | None = None
+    ) -> None:
+        first_token_timeout_s = timeout_s if first_token_timeout_s is None else first_token_timeout_s
+        for name, value in (("timeout_s", timeout_s), ("first_token_timeout_s", first_token_timeout_s)):
+            if value <= 0:
+                raise ValueError(f"{name}: must be positive, got {value}")
+        self.timeout_s, self.first_token_timeout_s = timeout_s, first_token_timeout_s
+        self._tokens_seen = False
         self._on_stall = on_stall
         self._waited_s = 0.0  # waits since the last token, the current one excluded
         self._since: float | None = None  # start of the current wait
@@ -49,22 +58,27 @@ class StallWatch:
     def progressed(self) -> None:
         """The engine made tokens: the count starts again."""
         with self._lock:
-            self._waited_s = 0.0
+            self._waited_s, self._tokens_seen = 0.0, True
             if self._since is not None:
                 self._since = time.monotonic()
 
     def waited_s(self) -> float:
         """Seconds waited on the engine since its last token, the current wait included."""
+        return self._count()[0]
+
+    def _count(self) -> tuple[float, bool]:
+        """`waited_s()` and whether a token was seen yet, read together."""
         with self._lock:
             current = time.monotonic() - self._since if self._since is not None else 0.0
-            return self._waited_s + current
+            return self._waited_s + current, self._tokens_seen
 
     def _watch(self) -> None:
-        period = min(1.0, self.timeout_s / 20)
+        period = min(1.0, self.timeout_s / 20, self.first_token_timeout_s / 20)
         while not self._closed.wait(period):
-            waited = self.waited_s()
-            if waited > self.timeout_s:
-                self._on_stall(f"vLLM made no token in {waited:.0f}s of waiting on it (rollout.stall_timeout_s)")
+            waited, tokens_seen = self._count()
+            if waited > (self.timeout_s if tokens_seen else self.first_token_timeout_s):
+                what = "token" if tokens_seen else "first token"
+                self._on_stall(f"vLLM made no {what} in {waited:.0f}s of waiting on it (rollout.stall_timeout_s)")
                 return
 
     def close(self) -> None:

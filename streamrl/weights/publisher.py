@@ -10,8 +10,9 @@ Two sides, one per process kind:
   receives from the stage's second rank), starts the learner's
   sends and the engines' receives together, waits for both (bounded by
   `train.publish_timeout_s`), checks that every engine runs the published version (a version is applied whole or
-  not at all: docs/DESIGN.md, invariant 3) and announces it. A dead engine found by a failed publish is replaced
-  or dropped by the fleet, the groups are formed anew for the survivors and the publish is retried once.
+  not at all: docs/DESIGN.md, invariant 3) and announces it. A dead engine found by a failed publish (or a failed
+  set-up of the groups) is replaced or dropped by the fleet, the groups are formed anew and the publish is retried
+  once.
 """
 
 from __future__ import annotations
@@ -138,7 +139,15 @@ class Publisher:
             # each worker's (host, port, rank, world size) in the group of each stage
             joins = [[(*addresses[g], rank, plan.groups[g].world_size) for g, rank in stages] for stages in per_worker]
             refs.append(engine.join_weight_groups.remote(joins, self.generation))
-        fleet.get(refs, self.train.publish_timeout_s, f"weight group {self.generation} set-up")
+        try:
+            fleet.get(refs, self.train.publish_timeout_s, f"weight group {self.generation} set-up")
+        except Exception:
+            import ray
+
+            # A member that died leaves the others waiting for it up to their own bound: let them end (bounded), so
+            # that the next set-up's close is not queued behind a sender's open.
+            ray.wait(refs, num_returns=len(refs), timeout=self.train.publish_timeout_s)
+            raise
         self.plan, self.stale = plan, False
 
     def publish(self, version: int) -> dict[str, float]:
@@ -148,11 +157,12 @@ class Publisher:
         start = time.perf_counter()
         fleet = self.fleet
         for attempt in (1, 2):
-            if self.stale:
-                self.form_groups()
-            receives = [e.receive_weights.remote() for e in fleet.engines]
-            sends = [rank.publish.remote(version) for rank in fleet.learners]
+            receives: list[Any] = []
             try:
+                if self.stale:  # an engine may die while it joins, as while it receives
+                    self.form_groups()
+                receives = [e.receive_weights.remote() for e in fleet.engines]
+                sends = [rank.publish.remote(version) for rank in fleet.learners]
                 per_rank = fleet.get(sends, self.train.publish_timeout_s, f"publish of version {version}")
                 running = fleet.get(receives, self.train.publish_timeout_s, f"engines applying {version}")
             except (ray.exceptions.RayError, TimeoutError) as exc:

@@ -1,6 +1,7 @@
 """The stall watch counts only the time spent waiting on the engine since its last token: short waits without tokens
 add up, a token starts the count again, time between the waits is free, and a wait that never returns is seen by the
-watch's own thread."""
+watch's own thread. Before the first token the bound is the longer first-token one.
+"""
 
 import threading
 import time
@@ -67,6 +68,35 @@ def test_a_wait_that_never_returns_is_seen_from_the_watch_thread() -> None:
         watch.close()
 
 
-def test_a_bound_that_is_not_positive_is_refused() -> None:
+def test_the_first_token_has_its_own_longer_bound() -> None:
+    stalls = _Stalls()
+    watch = StallWatch(0.3, stalls, first_token_timeout_s=1.5)
+    try:
+        with watch.waiting():  # an engine's first step, slow: past the bound of later tokens, within the first's
+            time.sleep(0.8)
+        time.sleep(0.3)  # the watch thread looks several times meanwhile
+        assert not stalls.messages
+        watch.progressed()  # the first token: from now on the short bound
+        with watch.waiting():
+            assert stalls.seen.wait(3.0)
+        assert len(stalls.messages) == 1 and "made no token" in stalls.messages[0]
+    finally:
+        watch.close()
+
+
+def test_an_engine_that_never_makes_a_first_token_is_seen_at_the_first_token_bound() -> None:
+    stalls = _Stalls()
+    watch = StallWatch(0.3, stalls, first_token_timeout_s=0.6)
+    try:
+        started = time.monotonic()
+        with watch.waiting():
+            assert stalls.seen.wait(5.0)
+        assert time.monotonic() - started >= 0.6 and "made no first token" in stalls.messages[0]
+    finally:
+        watch.close()
+
+
+@pytest.mark.parametrize("bounds", [(0.0, None), (1.0, 0.0)])
+def test_a_bound_that_is_not_positive_is_refused(bounds: tuple[float, float | None]) -> None:
     with pytest.raises(ValueError, match="timeout_s"):
-        StallWatch(0.0, _Stalls())
+        StallWatch(bounds[0], _Stalls(), first_token_timeout_s=bounds[1])
