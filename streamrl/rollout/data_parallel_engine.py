@@ -22,7 +22,8 @@ Contract
   (vLLM's client is errored), and the rollout worker ends its process so that the fleet replaces the engine.
   `lost()` sees it without a call (vLLM's monitor of the ranks' processes), so an idle engine is replaced too.
 - `join_weight_groups(memberships, ...)`: engine worker w = data-parallel rank x `tensor_parallel` + its rank in that
-  rank (`worker_receiver.engine_rank`), which is also the position of its GPU among the engine's.
+  rank (`worker_receiver.engine_rank`), which is also the position of its GPU among the engine's; the ranks are
+  paused around it (all of them join in the same step).
 - `sleep_mode` (colocated on the learner's GPUs): `sleep()` / `wake(tags)` as `request_table` says, on every rank at
   once. A version reaching a sleeping engine (weights woken, no request running) needs no pause.
 - Not here: vLLM's Ray executor or Ray data-parallel backend (ranks on other nodes); `close()` ends the ranks.
@@ -200,9 +201,18 @@ class DataParallelEngine(RequestTable):
     def join_weight_groups(
         self, memberships: list[list[tuple[str, int, int, int]]], generation: int, timeout_s: float, device: str
     ) -> None:
-        """Worker w (module docstring) joins one weight group per learner stage, `memberships[w]`."""
+        """Worker w (module docstring) joins one weight group per learner stage, `memberships[w]`. The ranks are paused
+        around it as for a version: a MoE model's ranks decode in lockstep, and a rank that took the call one step
+        after the other would wait in that step's collectives for a rank that waits for it in the group's set-up."""
         args = (memberships, generation, timeout_s, device)
-        self._call(self._on_every_rank("collective_rpc", "streamrl_join_weight_groups", None, args, None))
+        paused = not self.sleeping
+        if paused:
+            self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
+        try:
+            self._call(self._on_every_rank("collective_rpc", "streamrl_join_weight_groups", None, args, None))
+        finally:
+            if paused:
+                self._resume()
 
     def receive_version(self) -> int:
         """Every worker of every rank receives and loads the next version; returns it (module docstring)."""
