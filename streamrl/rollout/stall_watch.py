@@ -9,7 +9,8 @@ Contract
   on the engine's tokens. A watch thread looks every `timeout_s / 20` (at most 1 s), so a wait that never returns (a
   step blocked in vLLM's output queue) is seen too: once the count passes `timeout_s`, `on_stall(message)` is
   called once, from the watch thread (the rollout worker ends its process there, and the fleet replaces the
-  engine).
+  engine), after the stacks of all this process's threads are written to stderr (the engine's log): where the loop
+  waited in vLLM, for the diagnosis of a hang that the replacement only recovers from.
 - Until the first `progressed()` the bound is `first_token_timeout_s` (default: `timeout_s`): an engine's first steps
   do work once (kernels built or loaded at first use), and a machine busy starting the engine's processes slows them
   (seen: a replacement's first step took 16 s on a loaded 2-core machine); the rollout worker passes
@@ -19,6 +20,8 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -78,6 +81,9 @@ class StallWatch:
             waited, tokens_seen = self._count()
             if waited > (self.timeout_s if tokens_seen else self.first_token_timeout_s):
                 what = "token" if tokens_seen else "first token"
+                # A stderr without a file descriptor (replaced by a test harness) must not keep the engine alive.
+                with contextlib.suppress(RuntimeError, ValueError, OSError, AttributeError):
+                    faulthandler.dump_traceback(all_threads=True)
                 self._on_stall(f"vLLM made no {what} in {waited:.0f}s of waiting on it (rollout.stall_timeout_s)")
                 return
 

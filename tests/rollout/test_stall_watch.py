@@ -46,22 +46,23 @@ def test_waits_without_a_token_add_up_and_a_token_starts_again() -> None:
         watch.close()
 
 
-def test_a_wait_that_never_returns_is_seen_from_the_watch_thread() -> None:
+def test_a_wait_that_never_returns_is_seen_from_the_watch_thread(capfd: pytest.CaptureFixture[str]) -> None:
     stalls = _Stalls()
     watch = StallWatch(0.3, stalls)
     released = threading.Event()
 
-    def blocked_step() -> None:  # a decoding step blocked in vLLM: it returns only after the watch reported it
+    def blocked_step_in_vllm() -> None:  # a decoding step blocked in vLLM: it returns only after the watch reported it
         with watch.waiting():
             released.wait(10.0)
 
-    stepping = threading.Thread(target=blocked_step)
+    stepping = threading.Thread(target=blocked_step_in_vllm)
     started = time.monotonic()
     stepping.start()
     try:
         assert stalls.seen.wait(5.0)
         assert 0.3 <= time.monotonic() - started < 2.0
         assert stepping.is_alive()  # seen while the wait was still blocked
+        assert "blocked_step_in_vllm" in capfd.readouterr().err  # the stacks, for the diagnosis: where it waited
     finally:
         released.set()
         stepping.join()
