@@ -230,13 +230,17 @@ class PackedSequenceAttention(MegatronModule):
         in_place = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and mask == {"is_causal": True}
         if groups > 1 and not in_place:
             key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
-        # The kernel asked for first where it matters (`learner.attention_kernel`); SDPA's backward runs the kernel its
-        # forward ran.
-        ordered = sdpa_kernel(self.kernel_order, set_priority=True) if self.kernel_order and in_place else None
-        with ordered or contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                query, key, value, scale=self.softmax_scale, enable_gqa=groups > 1 and in_place, **mask
-            )
+        return F.scaled_dot_product_attention(
+            query, key, value, scale=self.softmax_scale, enable_gqa=groups > 1 and in_place, **mask
+        )
+
+    def _kernel_order(self, query: torch.Tensor, causal: bool) -> contextlib.AbstractContextManager:
+        """The config's kernel asked for first where it matters (`learner.attention_kernel`: the GPU in bf16/fp16 under
+        a plain causal mask); SDPA's backward runs the kernel its forward ran. Entered once per layer call, not per
+        bucket: entering it costs ~22 us of host time, which per bucket added up to ~0.5 % of a step."""
+        if self.kernel_order and causal and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+            return sdpa_kernel(self.kernel_order, set_priority=True)
+        return contextlib.nullcontext()
 
     def _packed(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
@@ -250,12 +254,13 @@ class PackedSequenceAttention(MegatronModule):
         shapes, rows, back = _padded_plan(tuple(bounds), query.device)
         sizes = [count * longest for count, longest in shapes]
         padded = [_ToPadded.apply(t, rows, back).split(sizes) for t in (query, key, value)]
-        outputs = [
-            self._attend(*(t.view(count, longest, *t.shape[1:]).transpose(1, 2) for t in qkv), is_causal=True)
-            .transpose(1, 2)
-            .reshape(count * longest, -1)
-            for (count, longest), qkv in zip(shapes, zip(*padded, strict=True), strict=True)
-        ]
+        with self._kernel_order(query, causal=True):
+            outputs = [
+                self._attend(*(t.view(count, longest, *t.shape[1:]).transpose(1, 2) for t in qkv), is_causal=True)
+                .transpose(1, 2)
+                .reshape(count * longest, -1)
+                for (count, longest), qkv in zip(shapes, zip(*padded, strict=True), strict=True)
+            ]
         if not self.recompute_output:
             return _FromPadded.apply(torch.cat(outputs), back)
         # The buckets' outputs are the kernels' own (views), which they keep for backward anyway: the packed copy
@@ -295,5 +300,6 @@ class PackedSequenceAttention(MegatronModule):
     ) -> torch.Tensor:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [S, B, h, d] -> [B, h, S, d]
         mask = {"is_causal": True} if attention_mask is None else {"attn_mask": ~attention_mask}
-        out = self._attend(q, k, v, **mask)
+        with self._kernel_order(query, causal=attention_mask is None):
+            out = self._attend(q, k, v, **mask)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
