@@ -25,7 +25,10 @@ ROWS_PER_PROGRAM = 8  # with 256 columns per block and 4 warps: the fastest of f
 COLUMNS_PER_BLOCK = 256
 
 
-@triton.jit
+# The row count is not specialised on (divisible by 16 or not: a second compile for a last, odd micro-batch), and the
+# columns are a loop, not unrolled: unrolled over the 3.6B model's width, each of its two variants took ~7 s to
+# compile, ~13 s of the learner's first step (the Triton compile cache did not spare a restarted process).
+@triton.jit(do_not_specialize=["rows_total"])
 def _backward_kernel(
     fc1_ptr,
     probs_ptr,
@@ -33,7 +36,7 @@ def _backward_kernel(
     d_fc1_ptr,
     d_probs_ptr,
     rows_total,
-    width: tl.constexpr,
+    width,
     block_rows: tl.constexpr,
     block_cols: tl.constexpr,
     has_probs: tl.constexpr,
@@ -44,7 +47,7 @@ def _backward_kernel(
     if has_probs:
         probs = tl.load(probs_ptr + rows, mask=row_ok, other=0.0)
     probs_grad = tl.zeros([block_rows], dtype=tl.float32)
-    for start in tl.static_range(0, width, block_cols):
+    for start in tl.range(0, width, block_cols):
         cols = start + tl.arange(0, block_cols)
         ok = row_ok[:, None] & (cols < width)[None, :]
         gate_at = rows64[:, None] * (2 * width) + cols[None, :]

@@ -46,3 +46,17 @@ def test_backward_without_probabilities_matches_float64_autograd(rows: int, widt
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.isfinite(d_fc1).all()
     assert float((d_fc1.double() - expected).norm()) <= tolerance * float(expected.norm())
+
+
+def test_one_compiled_kernel_serves_every_row_count() -> None:
+    """Micro-batches change their token count every step: the kernel compiles once per width class, dtype and routing,
+    not again for a new count (another variant for an odd count cost seconds of a learner's first step)."""
+    from streamrl.learner.model.swiglu_kernel import _backward_kernel, swiglu_backward
+
+    def run(rows: int) -> int:
+        fc1_out = torch.randn(rows, 2 * 1024, device="cuda", dtype=torch.bfloat16)
+        swiglu_backward(fc1_out, None, torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16))
+        return len(_backward_kernel.device_caches[torch.cuda.current_device()][0])  # Triton's compiled variants
+
+    compiled = run(1024)
+    assert [run(rows) for rows in (1001, 1, 77, 4096)] == [compiled] * 4
