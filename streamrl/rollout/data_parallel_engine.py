@@ -8,7 +8,9 @@ Contract
   ranks. A MoE model's layers run over all ranks at once (each rank runs a dummy batch when it has nothing to
   decode): its experts are split over the engine's `data_parallel x tensor_parallel` GPUs, whole (`expert_parallel`,
   GPU) or by their hidden dimension (CPU, whose MoE kernel takes no expert map). `kv_cache_bytes` is per rank.
-  The client lives on an event loop of its own thread; every call here waits for its answer there, bounded.
+  The client lives on an event loop of its own thread; every call here waits for its answer there, bounded: a call
+  that moves no weights (a request, a pause, a resume) by `_CONTROL_TIMEOUT_S`, past which the client is taken as
+  hung and the engine as lost (`EngineLost`).
 - The request table (`request_table.RequestTable`): `submit`, `pop_finished`, `generate`, `score` as for
   `VLLMEngine`. `step()` takes every output the ranks sent since the last call (waiting up to `_WAIT_S` for one) and
   stamps its tokens with `policy_version`.
@@ -50,6 +52,10 @@ logger = logging.getLogger(__name__)
 _WAIT_S = 0.02  # longest a step() waits for the ranks' next output
 _POLL_S = 0.001
 _CALL_TIMEOUT_S = 600.0  # bound on one call into the client (a version's transfer is the longest)
+# Bound on a call that moves no weights (a request, a pause, a resume, a cache reset): a client that answers none in
+# this time is hung, and the rollout loop, blocked in the call, is outside its stall watch (which counts decoding
+# steps only): seen once, an engine of two ranks logged nothing for 5 minutes after a resume and was never replaced.
+_CONTROL_TIMEOUT_S = 120.0
 _ALIVE_CHECK_S = 0.5  # how often a waiting call looks whether a rank died
 
 
@@ -149,7 +155,7 @@ class DataParallelEngine(RequestTable):
 
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         with self._lost_if_dead("a request"):
-            self._collectors[request_id] = self._call(self.llm.add_request(request_id, prompt, params))
+            self._collectors[request_id] = self._control(self.llm.add_request(request_id, prompt, params), "a request")
 
     def step(self) -> None:
         """Take the outputs the ranks sent since the last call (waiting up to `_WAIT_S` for one), stamped with the
@@ -207,7 +213,7 @@ class DataParallelEngine(RequestTable):
         args = (memberships, generation, timeout_s, device)
         paused = not self.sleeping
         if paused:
-            self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
+            self._control(self.llm.pause_generation(mode="keep", clear_cache=False), "the pause for a join")
         try:
             self._call(self._on_every_rank("collective_rpc", "streamrl_join_weight_groups", None, args, None))
         finally:
@@ -221,8 +227,8 @@ class DataParallelEngine(RequestTable):
         paused = not self.sleeping  # asleep, no request runs (`sleep`) and vLLM's schedulers are paused already
         try:
             if paused:
-                self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
-            outputs = self._call(self._flush())
+                self._control(self.llm.pause_generation(mode="keep", clear_cache=False), "the pause for a version")
+            outputs = self._control(self._flush(), "the outputs before a version")
             answers = self._call(self._on_every_rank("collective_rpc", "streamrl_receive_version", None, (), None))
         except Exception as exc:  # noqa: BLE001 - a rank's process or its workers are gone, or the pause never ended
             raise EngineLost(f"weights: the engine's ranks could not receive ({type(exc).__name__}: {exc})") from exc
@@ -236,7 +242,7 @@ class DataParallelEngine(RequestTable):
                 self._resume()
             raise
         # Running requests recompute their KV under the new weights; no prefix computed by the old ones is kept.
-        if not all(self._call(self._on_every_rank("reset_prefix_cache", True, False))):
+        if not all(self._control(self._on_every_rank("reset_prefix_cache", True, False), "a prefix cache reset")):
             raise EngineLost("weights: a rank could not reset its prefix cache after a version")
         self.policy_version = version
         if paused:
@@ -246,9 +252,17 @@ class DataParallelEngine(RequestTable):
 
     def _resume(self) -> None:
         try:
-            self._call(self.llm.resume_generation())
+            self._control(self.llm.resume_generation(), "the resume")
         except Exception as exc:  # noqa: BLE001 - a rank that cannot resume cannot sample
             raise EngineLost(f"engine: the data-parallel ranks did not resume ({type(exc).__name__}: {exc})") from exc
+
+    def _control(self, coroutine: Coroutine[Any, Any, Any], what: str) -> Any:
+        """`_call` bounded by `_CONTROL_TIMEOUT_S`: a client that does not answer is hung, `EngineLost` (the rollout
+        worker ends its process and the fleet replaces the engine)."""
+        try:
+            return self._call(coroutine, _CONTROL_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineLost(f"engine: vLLM's client did not answer {what} within {_CONTROL_TIMEOUT_S:.0f}s") from None
 
     def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
         raise RuntimeError("load_weights: a data-parallel engine's workers receive the versions (receive_version)")

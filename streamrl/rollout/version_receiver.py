@@ -62,7 +62,10 @@ class VersionReceiver:
         timeout, device = self.config.train.publish_timeout_s, self.config.weights_device
         if self.sharded:  # collective_rpc is the loop's to call
             joining = self.engine.join_weight_groups
-            self.on_loop(lambda: joining(memberships, generation, timeout, device), timeout)
+            try:
+                self.on_loop(lambda: joining(memberships, generation, timeout, device), timeout)
+            except EngineLost as exc:  # its ranks hung or died around the join: the publish replaces the engine
+                self.lost(str(exc))
         else:
             self.groups = join_groups(memberships[0], generation, timeout, device)
         self.joined = True

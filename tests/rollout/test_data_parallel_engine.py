@@ -5,7 +5,8 @@ A version reaches both ranks and the engine then scores what HF scores with thos
 a version keep their tokens, each token stamped with the version that sampled it (old, then new, never mixed back);
 a version refused at its first bucket leaves every rank on the running weights. A rank whose process dies takes the
 engine with it: `lost()` shows it without a call, and decoding, a new request and a version all raise `EngineLost`
-(the rollout worker then ends its process and the fleet replaces the engine).
+(the rollout worker then ends its process and the fleet replaces the engine); so does a request or a resume that
+vLLM's client never answers, at the control bound.
 """
 
 from __future__ import annotations
@@ -111,6 +112,31 @@ def test_a_version_refused_at_its_first_bucket_keeps_every_rank_running(
     (samples,) = dp.generate([_encode(moe_dir, PROMPT_TEXT)], n=2, max_tokens=6)
     assert all(s.versions == [2] * len(s.token_ids) and s.token_ids for s in samples)
     assert torch.isfinite(torch.tensor([lp for s in samples for lp in s.logprobs])).all()
+
+
+def test_a_client_that_answers_no_control_call_is_a_lost_engine(
+    engine: tuple[DataParallelEngine, WeightGroup], moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request (or pause, resume) that vLLM's client never answers ends in `EngineLost` at the control bound: the
+    rollout loop, blocked in such a call, is outside its stall watch, and would otherwise wait for 10 minutes."""
+    import asyncio
+
+    from streamrl.rollout import data_parallel_engine
+
+    dp, _ = engine
+
+    async def never_answered(*args: object, **kwargs: object) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(data_parallel_engine, "_CONTROL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(dp.llm, "add_request", never_answered)
+    started = time.monotonic()
+    with pytest.raises(EngineLost, match="did not answer a request within 1s"):
+        dp.submit("hung", _encode(moe_dir, PROMPT_TEXT), n=1, max_tokens=4)
+    assert time.monotonic() - started < 10
+    monkeypatch.setattr(dp.llm, "resume_generation", never_answered)
+    with pytest.raises(EngineLost, match="did not resume.*did not answer the resume"):
+        dp._resume()
 
 
 def test_a_rank_that_dies_takes_the_engine_with_it(moe_dir: Path) -> None:
