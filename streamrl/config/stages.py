@@ -46,7 +46,7 @@ class RolloutConfig(_Section):
         gt=0,
         description="An engine that makes no token for this long while requests run in it (its loop waiting on it "
         "all the while) is stalled: its process ends and it is replaced like a dead engine. Before its first token "
-        "the bound is the larger of this and start_timeout_s (work done at first use, a machine still busy starting).",
+        "the bound is twice this, at most start_timeout_s (work done at first use, a machine still busy starting).",
     )
     weight_update: Literal["inflight", "drain"] = Field(
         "inflight", description="Apply a new version between decoding steps (inflight) or once no request runs."

@@ -13,8 +13,8 @@ Contract
   waited in vLLM, for the diagnosis of a hang that the replacement only recovers from.
 - Until the first `progressed()` the bound is `first_token_timeout_s` (default: `timeout_s`): an engine's first steps
   do work once (kernels built or loaded at first use), and a machine busy starting the engine's processes slows them
-  (seen: a replacement's first step took 16 s on a loaded 2-core machine); the rollout worker passes
-  `rollout.start_timeout_s`, the bound on the rest of an engine's start.
+  (seen: a replacement's first step took 16 s on a loaded 2-core machine); the rollout worker passes twice
+  `rollout.stall_timeout_s`, at most `rollout.start_timeout_s` (the bound on the rest of an engine's start).
 - `close()` ends the watch thread.
 """
 

@@ -129,7 +129,10 @@ class RolloutWorker:
         self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
         self.tokens_generated, self.prompts_too_long = 0, 0
         # An engine that makes no token while the loop waits on it (a frozen rank or worker) is lost like a dead one.
-        first = max(rollout.stall_timeout_s, rollout.start_timeout_s)  # the first token: bounded as the start is
+        # The first token gets twice the bound (work done at first use, a machine still busy starting the engine), at
+        # most the start's: a replacement that hangs before its first token (seen after its catch-up versions) is still
+        # replaced well within a step's wait.
+        first = max(rollout.stall_timeout_s, min(2 * rollout.stall_timeout_s, rollout.start_timeout_s))
         self.stall_watch = StallWatch(rollout.stall_timeout_s, self._engine_lost, first_token_timeout_s=first)
         # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
         # during long runs, so the driver reports it (rollout/engine_start_s: the slowest engine).

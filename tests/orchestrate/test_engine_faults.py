@@ -131,8 +131,9 @@ def test_an_engine_of_two_gpus_that_loses_a_worker_is_replaced(tmp_path: Path, e
         # other test worker busy, 30 s was once too short (gloo's connect timed out).
         "train.publish_timeout_s=60",
         "queue.max_staleness=100",
-        # A replacement's first token is bounded by rollout.start_timeout_s instead (its first step took 16 s once,
-        # the 2-core machine busy with the other test worker and the replacement's own start).
+        # A replacement's first token is bounded by twice this, 40 s (its first step took 16 s once, the 2-core machine
+        # busy with the other test worker and the replacement's own start; and a replacement that hung after its
+        # catch-up versions, before its first token, must be replaced within a step's wait).
         "rollout.stall_timeout_s=20",
     )
     prepare_run(config)
