@@ -143,13 +143,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The long end-to-end tests (marked `slow`, minutes each in CI) run first, then the other whole-job tests
-    (tests/orchestrate), then the rest: the suite ends when the slower of its two xdist workers does, so short tests
-    should fill the end, not a long one started late. That needs the workers to take tests one at a time
-    (`--maxschedchunk=1`, as the README's command and CI run them): by default xdist's first chunk gave one worker
-    the first ~60 tests, every whole-job test, and the other idled for the suite's last 15 minutes (pytest 1,751 s
-    against 1,544 s one at a time in clean-clone CI runs; a scheduler keeping the short tests on one worker beside the
-    whole jobs took 1,608 s). A stable sort: each group keeps its modules' order."""
-    items.sort(
-        key=lambda item: (item.get_closest_marker("slow") is None, not item.nodeid.startswith("tests/orchestrate/"))
-    )
+    """The whole-job tests (tests/orchestrate, up to two minutes each) run first, in their usual order, the rest after
+    them: the suite ends when the slower of its two xdist workers does, so the short tests are what should fill
+    the end, not a long one started late. A stable sort: every module's tests stay together."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/orchestrate/"))
