@@ -111,8 +111,7 @@ class RolloutWorker:
         # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
         self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch, on_pushed=self._pushed)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
-        # Async mode: start only groups that will be trained within queue.max_staleness (places reserved at the gate
-        # every _GATE_S).
+        # Async mode: start only groups trained within queue.max_staleness (places reserved at the gate every _GATE_S).
         bounds = (config.queue.max_staleness, config.batching.groups_per_step, config.train.publish_every)
         gated = config.queue.staleness_gate and config.train.mode == "async"
         self.gate = StalenessGate(self.redis, self.keys, self.engine_id, *bounds) if gated else None
@@ -128,10 +127,8 @@ class RolloutWorker:
         self._inline = threading.RLock()
         self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
         self.tokens_generated, self.prompts_too_long = 0, 0
-        # An engine that makes no token while the loop waits on it (a frozen rank or worker) is lost like a dead one.
-        # The first token gets twice the bound (work done at first use, a machine still busy starting the engine), at
-        # most the start's: a replacement that hangs before its first token (seen after its catch-up versions) is still
-        # replaced well within a step's wait.
+        # An engine making no token while the loop waits (a frozen rank) is lost; the first token (first-use work) gets
+        # twice the bound, at most the start's, so a replacement hung before it is replaced within a step's wait.
         first = max(rollout.stall_timeout_s, min(2 * rollout.stall_timeout_s, rollout.start_timeout_s))
         self.stall_watch = StallWatch(rollout.stall_timeout_s, self._engine_lost, first_token_timeout_s=first)
         # Seconds from the actor's start to a ready engine (vLLM load, compile, CUDA graphs): engines are restarted
