@@ -17,7 +17,8 @@ Redis until the step that uses them commits. In async mode with the staleness ga
 an engine still holds a group that this step is the last to take within the bound (its start version `<= learner
 version - queue.max_staleness`, from `QueueKeys.oldest_in_flight`): a long response finishes behind shorter ones
 started after it, and the step waits for it rather than leave it to be dropped, for at most DEADLINE_WAIT_S a step and
-only while the stream has room for it. `commit(step, number)` (rank 0, after every rank has stepped) writes the step
+only while the stream has room for it; the stream is read once more after the engines' reports, so that a group pushed
+between the two reads is in the step. `commit(step, number)` (rank 0, after every rank has stepped) writes the step
 to the step journal (`step_journal.py`), then acks the step's groups and records their ids in one script call, then
 adds it to the ledger of trained groups; `checkpointed(number)` prunes the journal once a checkpoint holds the step
 (the checkpoint plus the journal are the commit unit: invariant 2). `resume(completed)`, called once on every rank at
@@ -260,13 +261,23 @@ class StepSource:
         return self._complete(learner_version)
 
     def _complete(self, learner_version: int) -> bool:
-        return self._step_size(learner_version) is not None and not self._deadline_pending(learner_version)
+        if self._step_size(learner_version) is None or self._deadline_pending(learner_version):
+            return False
+        if not self._gated():
+            return True
+        # The engines' reports say no last-chance group is in flight, but one may have reached the stream since it was
+        # last read (an engine pushes a group before its report drops it): read again, so that it goes first.
+        self._read_available()
+        return self._step_size(learner_version) is not None
+
+    def _gated(self) -> bool:
+        return self.config.train.mode == "async" and self.config.queue.staleness_gate
 
     def _deadline_pending(self, learner_version: int) -> bool:
         """Rank 0, async with the staleness gate: an engine still holds a group whose last chance within the bound
         is this step, the stream has room for it to arrive, and the step has waited less than DEADLINE_WAIT_S."""
         queue = self.config.queue
-        if self.config.train.mode != "async" or not queue.staleness_gate:
+        if not self._gated():
             return False
         assert self.consumer is not None
         started = [int(v) for v in self.consumer.client.hvals(self.consumer.keys.oldest_in_flight)]

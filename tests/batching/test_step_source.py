@@ -194,6 +194,35 @@ def test_a_step_waits_for_a_group_whose_last_chance_it_is_and_takes_it_first(
     source.commit(step, 7)
 
 
+def test_a_last_chance_group_pushed_between_the_stream_read_and_the_reports_is_in_the_step(
+    one_rank_world, redis_server, queue_keys, tmp_path: Path
+) -> None:
+    """The engine pushes its last old group and drops it from its report right after the learner read the stream and
+    before it reads the reports (seen in a CI run: five groups left behind, then dropped as stale): the step still
+    takes it, first."""
+    client = connect(redis_server.url, redis_server.password)
+    producer = TrajectoryProducer(client, queue_keys, 16, 5.0)
+    producer.push([_sampled_under(5, seed) for seed in range(2)])  # a complete step of fresh groups
+    client.hset(queue_keys.oldest_in_flight, "engine-1", 2)  # its last chance is the next step
+    source = _source(redis_server, queue_keys, tmp_path)
+    assert not source.step_ready(learner_version=6, block_ms=50)
+    read, engine_pushed = source.consumer.read, []
+
+    def read_then_the_engine_pushes(count: int, block_ms: int | None):
+        groups = read(count, block_ms)
+        if not engine_pushed:
+            producer.push([_sampled_under(2, 9)])
+            client.hdel(queue_keys.oldest_in_flight, "engine-1")
+            engine_pushed.append(True)
+        return groups
+
+    source.consumer.read = read_then_the_engine_pushes
+    assert source.step_ready(learner_version=6)
+    step = source.next_step(learner_version=6)
+    assert [g.group_id for g in step.groups] == ["g9", "g0"] and source.dropped_stale == 0
+    source.commit(step, 7)
+
+
 def test_the_wait_for_a_last_chance_is_bounded_by_time_and_by_room_in_the_stream(
     one_rank_world, redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
