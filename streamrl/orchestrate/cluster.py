@@ -29,6 +29,7 @@ from typing import Any
 from streamrl.config import Config
 from streamrl.logs import stderr_to_run_logs
 from streamrl.net import PORT_RANGE_VAR
+from streamrl.orchestrate.engine_report import engines_report
 from streamrl.orchestrate.learner_group import LearnerGroup
 from streamrl.orchestrate.placement import Placement, check_shared_dir
 from streamrl.orchestrate.redis_watch import RedisWatch
@@ -178,11 +179,7 @@ class Cluster:
                 time.sleep(min(rollout.restart_backoff_s * 2**earlier, 60.0))
                 self.slot_restarts[index] = earlier + 1
                 self.engines[index] = self._new_engine(index)
-                self.get(
-                    [self.engines[index].ready.remote()],
-                    self.config.rollout.start_timeout_s,
-                    f"restart of engine-{index}",
-                )
+                self.get([self.engines[index].ready.remote()], rollout.start_timeout_s, f"restart of engine-{index}")
                 self.engine_loops[index] = self.engines[index].run.remote()
                 self.engines_restarted += 1
             else:
@@ -257,7 +254,8 @@ class Cluster:
             self.check_engines()
             self._bring_replacements_to(version)
             if time.perf_counter() - start > timeout:
-                raise TimeoutError(f"learner: the stream did not complete step {version + 1} within {timeout}s")
+                what = f"the stream did not complete step {version + 1} within {timeout}s"
+                raise TimeoutError(f"learner: {what}; {engines_report(self.engines)}")
         return time.perf_counter() - start
 
     def check_learners(self) -> None:
@@ -298,7 +296,8 @@ class Cluster:
             if all(done) and self.learner_group.step_ready():
                 return {"perf/generate_wait_s": time.perf_counter() - start}
             if time.perf_counter() - start > timeout:
-                raise TimeoutError(f"sync mode: the engines did not push the step's groups within {timeout}s")
+                what = f"the engines did not push the step's groups within {timeout}s"
+                raise TimeoutError(f"sync mode: {what}; {engines_report(self.engines)}")
             time.sleep(0.05)
 
     def _bring_replacements_to(self, version: int) -> None:

@@ -15,7 +15,7 @@ Contract
   do work once (kernels built or loaded at first use), and a machine busy starting the engine's processes slows them
   (seen: a replacement's first step took 16 s on a loaded 2-core machine); the rollout worker passes twice
   `rollout.stall_timeout_s`, at most `rollout.start_timeout_s` (the bound on the rest of an engine's start).
-- `close()` ends the watch thread.
+- `close()` ends the watch thread. `dump_stacks()` writes every thread's stack to stderr (also for a driver's ask).
 """
 
 from __future__ import annotations
@@ -81,12 +81,17 @@ class StallWatch:
             waited, tokens_seen = self._count()
             if waited > (self.timeout_s if tokens_seen else self.first_token_timeout_s):
                 what = "token" if tokens_seen else "first token"
-                # A stderr without a file descriptor (replaced by a test harness) must not keep the engine alive.
-                with contextlib.suppress(RuntimeError, ValueError, OSError, AttributeError):
-                    faulthandler.dump_traceback(all_threads=True)
+                dump_stacks()
                 self._on_stall(f"vLLM made no {what} in {waited:.0f}s of waiting on it (rollout.stall_timeout_s)")
                 return
 
     def close(self) -> None:
         self._closed.set()
         self._thread.join(5.0)
+
+
+def dump_stacks() -> None:
+    """Write the stacks of all this process's threads to stderr (an engine's log), for the diagnosis of a hang."""
+    # A stderr without a file descriptor (replaced by a test harness) must not fail the caller.
+    with contextlib.suppress(RuntimeError, ValueError, OSError, AttributeError):
+        faulthandler.dump_traceback(all_threads=True)

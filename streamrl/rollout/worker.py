@@ -9,14 +9,14 @@ Threads of the actor and what they own:
   wait until the engine is empty). Finished groups go to the outbox (`outbox.py`), whose thread pushes them: the
   loop never waits on Redis. While the stream's backlog is at `queue.max_backlog` and the outbox is full, it submits
   no new prompts but keeps applying weight updates, so backpressure can never deadlock a publish. In async mode it
-  also starts no group that would be trained more than `queue.max_staleness` versions behind (`staleness_gate.py`).
+  also starts no group that would be trained more than `queue.max_staleness` versions behind (`admission.py`).
 - the decoder: turns each finished group's token ids into the text its rewards read.
 - the outbox's pusher: the only thread that writes to the stream (and encodes the groups it pushes).
 - receivers (`receive_weights()`): `version_receiver.py` receives each version (staged, streamed, or in the vLLM
   workers of an engine of several GPUs) and has the loop apply it whole between two steps (invariant 3). A version
   lost half way, a dead vLLM process (a failed step; `engine.lost()` at each turn, idle or not) or an engine that
   makes no token for `rollout.stall_timeout_s` of waiting on it (`stall_watch.py`) ends this process.
-- callers of `score()`, `stats()`, `policy_version()`: tasks run on the loop, or read counters.
+- callers of `score()`, `stats()`, `loop_state()`, `policy_version()`: tasks run on the loop, or read counters.
 Sync mode: the loop starts only the prompts of this engine's budget for the step (`streamrl.queue.sync_budget`, in
 Redis), under the announced version; `step_done()` tells the driver that they are all in the stream. Colocated (the
 engine shares its GPUs with learner ranks): then `sleep()` frees the engine's GPU memory for the learner and
@@ -39,24 +39,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import redis
-
 from streamrl.config import Config
 from streamrl.logs import to_run_logs
 from streamrl.net import ray_node
-from streamrl.queue import QueueKeys, SyncBudget, TrajectoryProducer, connect_for, grant_prompts
+from streamrl.queue import QueueKeys, TrajectoryProducer, connect_for
 from streamrl.rewards import PendingGroup, RewardPool
+from streamrl.rollout.admission import PromptAdmission
 from streamrl.rollout.outbox import Outbox
 from streamrl.rollout.prompt_cursor import PromptCursor, group_id
 from streamrl.rollout.prompts import Prompt, PromptSource
 from streamrl.rollout.request_table import EngineLost, Sample, trajectory_group
-from streamrl.rollout.staleness_gate import StalenessGate
-from streamrl.rollout.stall_watch import StallWatch
+from streamrl.rollout.stall_watch import StallWatch, dump_stacks
 from streamrl.rollout.version_receiver import VersionReceiver
 
 logger = logging.getLogger(__name__)
 _IDLE_S = 0.01  # loop sleep while nothing can be done (engine empty, backlog full)
-_GATE_S = 0.05  # the staleness gate's view of the system is re-read at most this often
 
 
 @dataclass
@@ -111,20 +108,14 @@ class RolloutWorker:
         # Room for one batch of prompts' groups: the engine keeps generating while they wait for the stream.
         self.outbox = Outbox(producer, capacity=rollout.prompts_per_batch, on_pushed=self._pushed)
         self._in_flight: dict[str, tuple[Prompt, list[int]]] = {}  # request id -> (prompt, prompt ids)
-        # Async mode: start only groups trained within queue.max_staleness (places reserved at the gate every _GATE_S).
-        bounds = (config.queue.max_staleness, config.batching.groups_per_step, config.train.publish_every)
-        gated = config.queue.staleness_gate and config.train.mode == "async"
-        self.gate = StalenessGate(self.redis, self.keys, self.engine_id, *bounds) if gated else None
-        self._gate_room, self._gate_next = 0, 0.0
-        # Sync mode: the prompts this engine may still start for the step, in Redis (`streamrl.queue.sync_budget`); a
-        # refused take is retried at most every _GATE_S.
-        self.budget = SyncBudget(self.redis, self.keys, self.engine_id) if config.train.mode == "sync" else None
-        self._budget_next = 0.0
+        # Async: only groups trained within queue.max_staleness start; sync: only the prompts of the step's budget.
+        self.admission = PromptAdmission(config, self.redis, self.keys, self.engine_id)
         self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._loop_running, self._stop = threading.Event(), threading.Event()
         # Held while vLLM is driven without the loop (a task run inline) and while the loop starts or ends: vLLM is
         # never driven from two threads (a score racing the loop's start broke vLLM's batch: KeyError, engine lost).
         self._inline = threading.RLock()
+        self._turned = time.monotonic()  # when the loop last went round (`loop_state`)
         self.receiver = VersionReceiver(config, self.engine, self._on_loop, self._loop_running, self._engine_lost)
         self.tokens_generated, self.prompts_too_long = 0, 0
         # An engine making no token while the loop waits (a frozen rank) is lost; the first token (first-use work) gets
@@ -160,6 +151,7 @@ class RolloutWorker:
             self._loop_running.set()
         try:
             while not self._stop.is_set():
+                self._turned = time.monotonic()
                 if self.engine.lost():  # also while nothing decodes (its outbox full, asleep)
                     self._engine_lost("a process of its vLLM died")
                 self._run_tasks()
@@ -168,7 +160,8 @@ class RolloutWorker:
                 self._finish_scored()
                 room = len(self._scoring) + self.outbox.held() < self.outbox.capacity
                 starting = room and not self.receiver.draining() and not self.engine.sleeping
-                self._reserve_at_gate(starting)
+                wanted = self.config.rollout.prompts_per_batch - len(self._in_flight) if starting else 0
+                self.admission.look(self.engine.policy_version, self._unpushed(), wanted)
                 if starting:
                     self._top_up()
                 if self.engine.has_unfinished():
@@ -184,9 +177,7 @@ class RolloutWorker:
             self.stall_watch.close()
             self._decoder.shutdown(wait=False, cancel_futures=True)
             self.rewards.close()
-            if self.gate is not None:
-                with contextlib.suppress(redis.RedisError):  # a stopped engine holds no groups in flight
-                    self.gate.report(0)
+            self.admission.close()
         return self.outbox.groups_pushed
 
     def _step(self) -> None:
@@ -221,9 +212,7 @@ class RolloutWorker:
         return self._on_loop(self._step_done, self.config.queue.wait_timeout_s)
 
     def _step_done(self) -> bool:
-        assert self.budget is not None
-        retaken = not self.budget.retaking(self.prompts.get_state())
-        return retaken and self._unpushed() == 0 and self.budget.left() <= 0
+        return self.admission.step_done(self.prompts.get_state(), self._unpushed())
 
     def sleep(self) -> float:
         """Colocated, once the step's groups are pushed: free the engine's GPU memory for the learner; returns the
@@ -236,43 +225,10 @@ class RolloutWorker:
         """Colocated: bring back what `sleep` freed (`tags`: "weights", "kv_cache"; None: all)."""
         self._on_loop(lambda: self.engine.wake(tags), self.config.train.publish_timeout_s)
 
-    def _take_prompt_budget(self, position: dict[str, int]) -> bool:
-        """Whether the prompt at `position` may start: always in async mode; in sync mode if it is in the budget."""
-        if self.budget is None:
-            return True
-        now = time.monotonic()
-        if now < self._budget_next:
-            return False
-        if self.budget.take(self.engine.policy_version, position):
-            return True
-        self._budget_next = now + _GATE_S
-        return False
-
-    def _reserve_at_gate(self, starting: bool) -> None:
-        """Async, at most every _GATE_S: report this engine's groups in flight (and the oldest one's version) to the
-        staleness gate and, when `starting` groups, reserve places for the free slots of its batch."""
-        now = time.monotonic()
-        if self.gate is None or now < self._gate_next:
-            return
-        wanted = self.config.rollout.prompts_per_batch - len(self._in_flight) if starting else 0
-        self._gate_room = self.gate.reserve(self.engine.policy_version, self._unpushed(), wanted)
-        self._gate_next = now + _GATE_S
-
-    def _gate_allows(self) -> bool:
-        """Whether one more group may start: always without a staleness gate, else while places reserved there
-        are left."""
-        if self.gate is None:
-            return True
-        if self._gate_room <= 0:
-            return False
-        self._gate_room -= 1
-        return True
-
     def _pushed(self, group_ids: list[str]) -> None:
         """The outbox's thread: these groups are in the stream."""
         self.cursor.pushed(group_ids)
-        if self.gate is not None:
-            self.gate.pushed(group_ids)
+        self.admission.pushed(group_ids)
 
     def _unpushed(self) -> int:
         """Groups this engine started that are not in the stream yet: generating, being scored, in the outbox."""
@@ -281,9 +237,9 @@ class RolloutWorker:
     def _top_up(self) -> None:
         rollout = self.config.rollout
         started = 0
-        while len(self._in_flight) < rollout.prompts_per_batch and self._gate_allows():
+        while len(self._in_flight) < rollout.prompts_per_batch:
             position = self.prompts.get_state()
-            if not self._take_prompt_budget(position):
+            if not self.admission.may_start(self.engine.policy_version, position):
                 break
             prompt = next(self.prompts)
             ids = prompt.token_ids(self.tokenizer)
@@ -306,19 +262,17 @@ class RolloutWorker:
             except EngineLost:
                 self._engine_lost("vLLM took no more requests")
             self._in_flight[request_id] = (prompt, ids)
-            if self.gate is not None:
-                self.gate.started(request_id, self.engine.policy_version)
+            self.admission.started(request_id, self.engine.policy_version)
             started += 1
-        if started and self.gate is not None:
-            self.gate.report(self._unpushed())  # the other engines count these at once
+        if started:
+            self.admission.report(self._unpushed())  # the other engines count these at once
 
     def _skip_too_long(self, request_id: str, position: dict[str, int], length: int) -> None:
         """Pass over a prompt too long for `rollout.max_model_len`: counted, logged, done (sync: its budget back)."""
         logger.warning("%s: prompt of %d tokens skipped (rollout.max_model_len)", request_id, length)
         self.prompts_too_long += 1
         self.cursor.pushed([request_id])
-        if self.budget is not None and not self.budget.retaking(position):
-            grant_prompts(self.redis, self.keys, self.engine_id, 1)
+        self.admission.give_back(position)
 
     def _collect(self) -> None:
         """Finished requests are decoded into text off the loop (the engine does not detokenize as it samples),
@@ -385,6 +339,24 @@ class RolloutWorker:
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """The running policy's logprob of each response token (for parity checks)."""
         return self._on_loop(lambda: self.engine.score(prompt_ids, response_ids), timeout_s=60.0)
+
+    def loop_state(self) -> dict[str, Any]:
+        """Where the loop stands, for a driver whose wait for groups ran out: the groups at each stage, what admission
+        allows, seconds since the loop last went round and waited on vLLM since its last token; the stacks of this
+        process's threads go to the engine's log (a loop blocked outside a decoding step shows where)."""
+        dump_stacks()
+        return {
+            "version": self.engine.policy_version,
+            "running": len(self._in_flight),
+            "scoring": len(self._scoring),
+            "in_outbox": self.outbox.held(),
+            "pushed": self.outbox.groups_pushed,
+            "admission": self.admission.state(),
+            "draining": self.receiver.draining(),
+            "sleeping": self.engine.sleeping,
+            "loop_turned_s_ago": round(time.monotonic() - self._turned, 1),
+            "waited_on_vllm_s": round(self.stall_watch.waited_s(), 1),
+        }
 
     def stats(self) -> dict[str, float]:
         return {

@@ -20,6 +20,7 @@ import ray
 
 from streamrl.orchestrate.cluster import Cluster
 from streamrl.orchestrate.driver import prepare_run
+from streamrl.orchestrate.engine_report import engines_report
 from tests.orchestrate.parity import QUICK_RESTART, assert_every_prompt_once, assert_logprob_parity, tiny_config
 from tests.orchestrate.test_learning import ENGINE_TP2
 
@@ -92,10 +93,15 @@ def test_past_the_restart_budget_the_job_stops_with_the_reason(tmp_path: Path) -
     prepare_run(config)
     with Cluster(config) as cluster:
         cluster.learner_step(1)
+        # What a wait for groups that ran out reports: where the engine's loop stands (its stacks go to its log).
+        report = engines_report(cluster.engines)
+        assert report.startswith("engine-0: version=0, running=") and "loop_turned_s_ago=" in report, report
+        assert "Thread" in (config.run.dir / "logs" / "engine-0.log").read_text()
         ray.kill(cluster.engines[0])
         # ray.kill returns before the process is gone: wait for its loop to end, or a ping may still be answered.
         done, _ = ray.wait([cluster.engine_loops[0]], timeout=60)
         assert done, "the killed engine's loop did not end"
+        assert engines_report(cluster.engines, timeout_s=5).startswith("engine-0: no answer (")
         with pytest.raises(RuntimeError, match="rollout.max_engine_restarts: engine-0 died after 0 restarts"):
             cluster.replace_dead_engines()
 

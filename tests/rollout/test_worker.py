@@ -99,11 +99,11 @@ def _long_prompt_among_short_ones(run_dir: str, redis_url: str, redis_password: 
         deadline = time.monotonic() + 120
         while worker.stats()["rollout/groups_pushed"] < 4 and time.monotonic() < deadline:  # past the first epoch
             time.sleep(0.05)
-        stats = worker.stats()
+        stats, state = worker.stats(), worker.loop_state()
     finally:
         worker.stop()
         loop.join(timeout=60)
-    results.put({"stats": stats, "ended": not loop.is_alive()})
+    results.put({"stats": stats, "state": state, "ended": not loop.is_alive()})
 
 
 def test_a_prompt_too_long_for_the_engine_is_skipped_and_counted(tmp_path: Path, redis_server) -> None:
@@ -112,3 +112,8 @@ def test_a_prompt_too_long_for_the_engine_is_skipped_and_counted(tmp_path: Path,
     seen = _in_a_worker_process(_long_prompt_among_short_ones, tmp_path, redis_server)
     assert seen["stats"]["rollout/groups_pushed"] >= 4 and seen["stats"]["rollout/prompts_too_long"] >= 2
     assert seen["ended"]  # the loop ran on and stopped when asked: the engine was not lost
+    # What a driver whose wait ran out is told about the loop: it went round just now, pushed what it counted.
+    state = seen["state"]
+    assert state["loop_turned_s_ago"] < 5 and state["pushed"] >= 4 and state["version"] == 0
+    assert 0 <= state["running"] <= 3 and state["admission"].startswith("staleness gate: ")
+    assert state["draining"] is False and state["sleeping"] is False
