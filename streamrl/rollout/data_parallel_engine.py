@@ -38,6 +38,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -125,7 +126,8 @@ class DataParallelEngine(RequestTable):
 
     def _call(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = _CALL_TIMEOUT_S) -> Any:
         """Run `coroutine` on the client's loop and wait for it: `EngineLost` as soon as vLLM's monitor finds a rank's
-        process dead (a call to a dead rank would never be answered), TimeoutError after `timeout_s`."""
+        process dead (a call to a dead rank would never be answered), TimeoutError after `timeout_s` (the client's
+        coroutines' stacks written to stderr first)."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -137,6 +139,7 @@ class DataParallelEngine(RequestTable):
                     future.cancel()
                     raise EngineLost("engine: a data-parallel rank's process died") from None
                 if time.monotonic() >= deadline:
+                    self._dump_client_tasks()
                     future.cancel()
                     raise TimeoutError(f"engine: no answer from the data-parallel ranks within {timeout_s}s") from None
 
@@ -263,6 +266,13 @@ class DataParallelEngine(RequestTable):
             return self._call(coroutine, _CONTROL_TIMEOUT_S)
         except TimeoutError:
             raise EngineLost(f"engine: vLLM's client did not answer {what} within {_CONTROL_TIMEOUT_S:.0f}s") from None
+
+    def _dump_client_tasks(self) -> None:
+        """Where the client's coroutines wait (not on any thread's stack), to stderr (the engine's log): the diagnosis
+        of a hung client."""
+        with contextlib.suppress(RuntimeError):  # the loop's task set changed while read from this thread
+            for task in list(asyncio.all_tasks(self._loop)):
+                task.print_stack(file=sys.stderr)
 
     def load_weights(self, version: int, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
         raise RuntimeError("load_weights: a data-parallel engine's workers receive the versions (receive_version)")

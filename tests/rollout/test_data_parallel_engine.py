@@ -115,10 +115,14 @@ def test_a_version_refused_at_its_first_bucket_keeps_every_rank_running(
 
 
 def test_a_client_that_answers_no_control_call_is_a_lost_engine(
-    engine: tuple[DataParallelEngine, WeightGroup], moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+    engine: tuple[DataParallelEngine, WeightGroup],
+    moe_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A request (or pause, resume) that vLLM's client never answers ends in `EngineLost` at the control bound: the
-    rollout loop, blocked in such a call, is outside its stall watch, and would otherwise wait for 10 minutes."""
+    rollout loop, blocked in such a call, is outside its stall watch, and would otherwise wait for 10 minutes. Where
+    the client's coroutine waited goes to the engine's log."""
     import asyncio
 
     from streamrl.rollout import data_parallel_engine
@@ -134,6 +138,7 @@ def test_a_client_that_answers_no_control_call_is_a_lost_engine(
     with pytest.raises(EngineLost, match="did not answer a request within 1s"):
         dp.submit("hung", _encode(moe_dir, PROMPT_TEXT), n=1, max_tokens=4)
     assert time.monotonic() - started < 10
+    assert "in never_answered" in capsys.readouterr().err  # the hung coroutine's stack
     monkeypatch.setattr(dp.llm, "resume_generation", never_answered)
     with pytest.raises(EngineLost, match="did not resume.*did not answer the resume"):
         dp._resume()
