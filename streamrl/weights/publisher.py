@@ -11,8 +11,8 @@ Two sides, one per process kind:
   sends and the engines' receives together, waits for both (bounded by
   `train.publish_timeout_s`), checks that every engine runs the published version (a version is applied whole or
   not at all: docs/DESIGN.md, invariant 3) and announces it. A dead engine found by a failed publish (or a failed
-  set-up of the groups) is replaced or dropped by the fleet, the groups are formed anew and the publish is retried
-  once.
+  set-up of the groups: the first member that fails calls the set-up off for the others, `transport.call_off`) is
+  replaced or dropped by the fleet, the groups are formed anew and the publish is retried once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from streamrl.config import Config, TrainConfig
 from streamrl.weights.group_plan import GroupPlan, plan_groups
-from streamrl.weights.transport import WeightGroup
+from streamrl.weights.transport import WeightGroup, call_off
 
 logger = logging.getLogger(__name__)
 NamedTensorStream = Iterator[tuple[str, torch.Tensor]]
@@ -140,12 +140,14 @@ class Publisher:
             joins = [[(*addresses[g], rank, plan.groups[g].world_size) for g, rank in stages] for stages in per_worker]
             refs.append(engine.join_weight_groups.remote(joins, self.generation))
         try:
-            fleet.get(refs, self.train.publish_timeout_s, f"weight group {self.generation} set-up")
+            _until_all_answer(refs, self.train.publish_timeout_s, f"weight group {self.generation} set-up")
         except Exception:
             import ray
 
-            # A member that died leaves the others waiting for it up to their own bound: let them end (bounded), so
-            # that the next set-up's close is not queued behind a sender's open.
+            # A member that died leaves the others waiting for it at check-in: call the set-up off there, then let them
+            # end (bounded), so that the next set-up's close is not queued behind a sender's open.
+            for host, port in addresses:
+                call_off(host, port, self.generation)
             ray.wait(refs, num_returns=len(refs), timeout=self.train.publish_timeout_s)
             raise
         self.plan, self.stale = plan, False
@@ -183,6 +185,19 @@ class Publisher:
             stats["perf/publish_s"] = time.perf_counter() - start
             return stats
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+def _until_all_answer(refs: list[Any], timeout_s: float, what: str) -> None:
+    """Until every call answered: the first that failed raises at once (not once the slowest ends), TimeoutError
+    past `timeout_s`."""
+    import ray
+
+    deadline, pending = time.monotonic() + timeout_s, list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise TimeoutError(f"{what}: no answer within {timeout_s}s")
+        ray.get(done)
 
 
 def _wait_for_a_dead_engine(receives: list[Any], timeout_s: float) -> None:

@@ -3,7 +3,9 @@
 `WeightGroup` builds its own ProcessGroup (gloo on CPU, NCCL on GPU: same code, invariant 7) over a
 TCPStore hosted by rank 0, the publisher; ranks 1..N are engines. It is independent of the
 learner's own torch.distributed world, so engines can leave and join: a new `generation` gets a
-fresh store prefix and group.
+fresh store prefix and group. Every member first checks in on the store and waits for the others there, where
+`call_off(host, port, generation)` (the driver, once a member died) ends the wait at once: without it the survivors
+waited for the dead member until their bound.
 
 Wire protocol. A version opens with int64[3] `(version, plan_id, mode)` and closes with int64[2]
 `(version, committed)`. A model's tensor list does not change between versions, so the bucket layouts of a
@@ -53,6 +55,8 @@ import torch.distributed as dist
 from streamrl.weights.bucket import Layout, as_bytes, pack, plan_buckets, unpack
 
 _PLANNED, _DISCOVER = 1, 2  # publish modes (see the module docstring)
+_ARRIVED, _CALLED_OFF = "arrived", "called-off"  # set-up keys on a group's store (`_check_in`)
+_CHECK_IN_POLL_S = 0.05
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
@@ -88,7 +92,8 @@ class WeightGroup:
         timeout = timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
-        prefixed = dist.PrefixStore(f"streamrl-weights-{generation}", store)
+        prefixed = dist.PrefixStore(_prefix(generation), store)
+        _check_in(prefixed, world_size, generation, timeout_s)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -313,6 +318,35 @@ def _consume(
     except Exception as exc:  # noqa: BLE001 - the rest of the version must still be taken off the wire
         return exc
     return None
+
+
+def _prefix(generation: int) -> str:
+    return f"streamrl-weights-{generation}"
+
+
+def _check_in(store: dist.Store, world_size: int, generation: int, timeout_s: float) -> None:
+    """Wait until every member has checked in on the group's store, before the process group's own rendezvous: a
+    set-up the driver called off (`call_off`: a member died) ends here at once, instead of at `timeout_s` in a
+    rendezvous that waits for the dead member."""
+    store.add(_ARRIVED, 1)
+    deadline = time.monotonic() + timeout_s
+    while (arrived := store.add(_ARRIVED, 0)) < world_size:
+        if store.check([_CALLED_OFF]):
+            raise RuntimeError(f"weights: the set-up of weight group {generation} was called off (a member is gone)")
+        if time.monotonic() > deadline:
+            joined = f"{arrived} of {world_size} members joined weight group {generation}"
+            raise TimeoutError(f"weights: {joined} within {timeout_s}s")
+        time.sleep(_CHECK_IN_POLL_S)
+
+
+def call_off(host: str, port: int, generation: int, timeout_s: float = 5.0) -> None:
+    """Tell the members of weight group `generation` (its store at host:port) that still wait for the others to check
+    in that its set-up is off; a store that cannot be reached within `timeout_s` (its host is gone) is left."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.PrefixStore(_prefix(generation), store).set(_CALLED_OFF, "1")
+    except (RuntimeError, OSError):  # DistNetworkError is a RuntimeError
+        return
 
 
 def join_groups(

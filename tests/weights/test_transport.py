@@ -1,12 +1,14 @@
 """The weight group (gloo on CPU, NCCL on GPUs): versions arrive whole and bit-exact, the first publish at a
 bucket size carries the layouts and later ones only payloads, a model whose tensors no longer match the plan
-fails the version on every member (and the next publish re-plans), and a dead receiver fails the publish fast.
+fails the version on every member (and the next publish re-plans), and a dead receiver fails the publish fast; a set-up
+the driver calls off (a member died before joining) ends the members waiting at check-in at once.
 A streamed load (each bucket swapped into a model as it arrives) ends with the new version when it commits and
 with the previous one, bit for bit, when it does not. A bounded receive (an engine of several GPUs) hands each bucket
 on as it arrives and keeps none of them."""
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -192,6 +194,34 @@ def test_versions_arrive_whole_and_exact_and_a_changed_model_fails_everywhere(
         received = (tmp_path / f"rank{rank}").read_text().splitlines()
         assert received[0] == "ok 5 True 14" and received[1] == "ok 6 True 14" and received[3] == "ok 8 True 14"
         assert received[2].startswith("error") and "not committed" in received[2]
+
+
+def test_a_set_up_called_off_ends_every_waiting_member_at_once() -> None:
+    """A member never comes (it died before joining): the driver calls the set-up off, and the members waiting for it
+    at check-in end at once rather than at their bound (60 s here; a publish's bound in a job)."""
+    from streamrl.weights.transport import WeightGroup, call_off
+
+    port, errors = free_port(), {}
+
+    def join(rank: int) -> None:
+        try:
+            WeightGroup("127.0.0.1", port, rank, 3, generation=4, timeout_s=60.0)
+        except Exception as exc:  # noqa: BLE001 - what each member met is the result
+            errors[rank] = exc
+
+    members = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]  # rank 2 never comes
+    for member in members:
+        member.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    call_off("127.0.0.1", port, generation=3)  # another generation's set-up: nothing here ends
+    time.sleep(0.3)
+    assert not errors
+    call_off("127.0.0.1", port, generation=4)
+    for member in members:
+        member.join(timeout=10)
+    assert time.monotonic() - start < 5 and sorted(errors) == [0, 1]
+    assert all(isinstance(e, RuntimeError) and "weight group 4 was called off" in str(e) for e in errors.values())
 
 
 def test_dead_receiver_fails_the_publish_within_the_bound(tmp_path: Path) -> None:
