@@ -156,6 +156,9 @@ class RolloutWorker:
                     self._engine_lost("a process of its vLLM died")
                 self._run_tasks()
                 self.receiver.apply_pending()
+                # Requests also finish outside `_step` (a task's scoring steps vLLM, a version's flush takes outputs):
+                # uncollected, they would hold their places in the batch forever with nothing left to step.
+                self._collect()
                 self.outbox.check()
                 self._finish_scored()
                 room = len(self._scoring) + self.outbox.held() < self.outbox.capacity

