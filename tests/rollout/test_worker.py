@@ -7,11 +7,13 @@ checks that the thread driving it has the thread count it planned with; a pytest
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,26 @@ def _inline_call_then_loop(run_dir: str, redis_url: str, redis_password: str | N
     results.put({**seen, "expected": expected, "loop_ended": not loop.is_alive()})
 
 
+@contextlib.contextmanager
+def _looping(worker: Any) -> Iterator[threading.Thread]:
+    """The worker's loop on a thread of its own, stopped and joined on the way out."""
+    loop = threading.Thread(target=worker.run)
+    loop.start()
+    try:
+        yield loop
+    finally:
+        worker.stop()
+        loop.join(timeout=60)
+
+
+def _wait_for_pushes(worker: Any, groups: int, timeout_s: float) -> int:
+    """Until the worker has pushed `groups` groups, or `timeout_s`; the groups it pushed."""
+    deadline = time.monotonic() + timeout_s
+    while (pushed := worker.stats()["rollout/groups_pushed"]) < groups and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pushed
+
+
 def _in_a_worker_process(target: Any, tmp_path: Path, redis_server) -> dict[str, Any]:
     """Run `target(run_dir, redis_url, redis_password, results)` in a process of one OpenMP thread; its result."""
     context = multiprocessing.get_context("spawn")
@@ -94,16 +116,9 @@ def _long_prompt_among_short_ones(run_dir: str, redis_url: str, redis_password: 
     config = tiny_config(Path(run_dir), *overrides, f"run.name=long-{Path(run_dir).name}")
     ensure_model(config)
     worker = RolloutWorker(config, 0, redis_url, redis_password)
-    loop = threading.Thread(target=worker.run)
-    loop.start()
-    try:
-        deadline = time.monotonic() + 120
-        while worker.stats()["rollout/groups_pushed"] < 4 and time.monotonic() < deadline:  # past the first epoch
-            time.sleep(0.05)
+    with _looping(worker) as loop:
+        _wait_for_pushes(worker, 4, 120)  # past the first epoch
         stats, state = worker.stats(), worker.loop_state()
-    finally:
-        worker.stop()
-        loop.join(timeout=60)
     results.put({"stats": stats, "state": state, "ended": not loop.is_alive()})
 
 
@@ -129,34 +144,23 @@ def _requests_finished_by_a_task_on_the_loop(
     config = tiny_config(Path(run_dir), "wandb.mode=disabled", f"run.name=finish-{Path(run_dir).name}")
     ensure_model(config)
     worker = RolloutWorker(config, 0, redis_url, redis_password)
-    loop = threading.Thread(target=worker.run)
-    loop.start()
-    try:
+    engine = worker.engine
+
+    def step_until_none_runs() -> bool:
+        while engine.has_unfinished():
+            engine.step()
+        return engine.has_unfinished()
+
+    with _looping(worker):
         deadline = time.monotonic() + 60
-        while not worker.engine.has_unfinished() and time.monotonic() < deadline:
+        while not engine.has_unfinished() and time.monotonic() < deadline:
             time.sleep(0.01)
-        engine = worker.engine
-
-        def step_until_none_runs() -> bool:
-            while engine.has_unfinished():
-                engine.step()
-            return engine.has_unfinished()
-
         # vLLM stepped outside the loop's own steps until every running request finished, as a parity check's scores
         # or a version's flush can do: the loop must still collect them and go on.
         still_running = worker._on_loop(step_until_none_runs, 60)
         before = worker.stats()["rollout/groups_pushed"]
-        deadline = time.monotonic() + 60
-        while worker.stats()["rollout/groups_pushed"] < before + config.rollout.prompts_per_batch:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        results.put(
-            {"still_running": still_running, "before": before, "after": worker.stats()["rollout/groups_pushed"]}
-        )
-    finally:
-        worker.stop()
-        loop.join(timeout=60)
+        after = _wait_for_pushes(worker, before + config.rollout.prompts_per_batch, 60)
+    results.put({"still_running": still_running, "before": before, "after": after})
 
 
 def test_requests_that_finish_outside_the_loops_steps_are_collected(tmp_path: Path, redis_server) -> None:
