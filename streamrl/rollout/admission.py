@@ -34,7 +34,6 @@ LOOK_S = 0.05  # the gate's view of the system, or a refused budget, is asked ag
 class PromptAdmission:
     def __init__(self, config: Config, client: redis.Redis, keys: QueueKeys, engine_id: str) -> None:
         self.client, self.keys, self.engine_id = client, keys, engine_id
-        self.prompts_per_batch = config.rollout.prompts_per_batch
         queue, train = config.queue, config.train
         bounds = (queue.max_staleness, config.batching.groups_per_step, train.publish_every)
         gated = queue.staleness_gate and train.mode == "async"

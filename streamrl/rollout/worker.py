@@ -156,8 +156,8 @@ class RolloutWorker:
                     self._engine_lost("a process of its vLLM died")
                 self._run_tasks()
                 self.receiver.apply_pending()
-                # Requests also finish outside `_step` (a task's scoring steps vLLM, a version's flush takes outputs):
-                # uncollected, they would hold their places in the batch forever with nothing left to step.
+                # Here, not after `_step` only: requests also finish outside it (a task's scoring steps vLLM, a
+                # version's flush takes outputs), and uncollected they would hold their places in the batch forever.
                 self._collect()
                 self.outbox.check()
                 self._finish_scored()
@@ -168,8 +168,7 @@ class RolloutWorker:
                 if starting:
                     self._top_up()
                 if self.engine.has_unfinished():
-                    self._step()
-                    self._collect()
+                    self._step()  # what it finished is collected at the top of the next turn
                 else:
                     time.sleep(_IDLE_S)
         finally:
