@@ -1,8 +1,10 @@
 """Command line: `streamrl train -c CONFIG [key.sub=value ...]`, `streamrl plan -c PRESET cluster.gpus=N`,
-`streamrl export-hf -c CONFIG --out DIR` and `streamrl init-model OUT`.
+`streamrl export-hf -c CONFIG --out DIR`, `streamrl init-model OUT`, `streamrl status RUN_DIR` and
+`streamrl stop RUN_DIR`.
 
 Imports only the config module up front so `--help` and config errors answer at once; a bad
-config exits with status 2 and a message naming the key.
+config exits with status 2 and a message naming the key, and so do `status` and `stop` given a directory that is
+not a run directory (no config.yaml) or, for `status`, a status file that is not one.
 """
 
 from __future__ import annotations
@@ -64,17 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and (args.command == "init-model" or any("=" not in e for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("status", "stop") and not (args.run_dir / "config.yaml").is_file():
+        print(f"streamrl: {args.run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+        return 2
     if args.command == "status":
         from streamrl.monitor import describe_status
 
-        print(describe_status(args.run_dir))
+        try:
+            print(describe_status(args.run_dir))
+        except ValueError as exc:
+            print(f"streamrl: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "stop":
         from streamrl.orchestrate import request_stop
 
-        if not (args.run_dir / "config.yaml").is_file():
-            print(f"streamrl: {args.run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
-            return 2
         print(f"streamrl: stop requested ({request_stop(args.run_dir)}); the job drains after its current step")
         return 0
     if args.command == "init-model":

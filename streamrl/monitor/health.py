@@ -15,6 +15,7 @@ one, recorded in status.json).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -92,8 +93,11 @@ class HealthServer:
         self._write_status()
 
     def _write_status(self) -> None:
+        """Whole or not at all: `streamrl status` may read the file while a step rewrites it."""
         record = {"address": self.address, "updated": time.time(), **self.status}
-        self.status_file.write_text(json.dumps(record, indent=1))
+        partial = self.status_file.with_name(self.status_file.name + ".partial")
+        partial.write_text(json.dumps(record, indent=1))
+        os.replace(partial, self.status_file)
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -101,14 +105,20 @@ class HealthServer:
 
 
 def describe_status(run_dir: Path, timeout_s: float = 2.0) -> str:
-    """`streamrl status RUN_DIR`: the job's last status and, when its server answers, its live health."""
+    """`streamrl status RUN_DIR`: the job's last status and, when its server answers, its live health. ValueError,
+    naming the file, if the run's status file is not a JSON object."""
     import urllib.error
     import urllib.request
 
     path = Path(run_dir) / STATUS_FILE
     if not path.is_file():
-        return f"{run_dir}: no status (the job has not started, or this is not a run directory)"
-    status = json.loads(path.read_text())
+        return f"{run_dir}: no status (the job has not started)"
+    try:
+        status = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not a status file ({exc})") from None
+    if not isinstance(status, dict):
+        raise ValueError(f"{path} is not a status file (a JSON object expected, got {type(status).__name__})")
     age = time.time() - status.pop("updated", time.time())
     address = status.pop("address", None)
     lines = [f"{run_dir}: step {status.pop('step', 0)} (status {age:.0f}s old)"]
