@@ -111,8 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(config, args.gpu_memory)
     if args.command == "export-hf":
         from streamrl.learner import export_checkpoint
+        from streamrl.learner.checkpoint_meta import CheckpointError
 
-        print(export_checkpoint(config, args.checkpoint, args.out))
+        try:
+            print(export_checkpoint(config, args.checkpoint, args.out))
+        except (CheckpointError, ConfigError) as exc:
+            print(f"streamrl: {exc}", file=sys.stderr)
+            return 2
         return 0
     from streamrl.orchestrate import prepare_run, train
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
-from streamrl.config import Config, LearnerConfig
+from streamrl.config import Config, ConfigError, LearnerConfig
 from streamrl.learner.checkpoint import load_checkpoint
-from streamrl.learner.checkpoint_meta import CheckpointError, checkpoint_root, latest_checkpoint
+from streamrl.learner.checkpoint_meta import CheckpointError, checkpoint_root, latest_checkpoint, read_meta
 from streamrl.learner.hf.convert import stream_hf_weights
 from streamrl.learner.model.gpt import build_gpt_model
 from streamrl.learner.parallel import destroy_parallel, init_parallel
@@ -138,11 +138,19 @@ def _number_shards(out_dir: Path) -> str:
 
 
 def export_checkpoint(config: Config, checkpoint_dir: Path | None, out_dir: Path) -> Path:
-    """Export the checkpoint at `checkpoint_dir` (default: the run's latest) as a HF model in `out_dir`."""
+    """Export the checkpoint at `checkpoint_dir` (default: the run's latest) as a HF model in `out_dir`. Before any
+    process group starts, a checkpoint that is not one raises CheckpointError naming its file and field, and a
+    `model.path` without the model's config.json ConfigError."""
     if checkpoint_dir is None:
         checkpoint_dir = latest_checkpoint(checkpoint_root(config.run.dir))
         if checkpoint_dir is None:
             raise CheckpointError(f"{checkpoint_root(config.run.dir) / 'latest'}: missing (no completed checkpoint)")
+    read_meta(checkpoint_dir)
+    if not (config.model.path / "config.json").is_file():
+        raise ConfigError(
+            f"model.path: {config.model.path} has no config.json (the run's HF model: its config and tokenizer go "
+            "with the export)"
+        )
     init_parallel(
         LearnerConfig(collective_timeout_s=config.learner.collective_timeout_s),
         0,

@@ -1,6 +1,7 @@
 """A trained Megatron model exported as a HF checkpoint loads in transformers and scores like the learner;
-`streamrl export-hf` writes a saved learner checkpoint's weights exactly; small shards come with HF's index, and
-pipeline stages write their own shards."""
+`streamrl export-hf` writes a saved learner checkpoint's weights exactly, and refuses a run without a checkpoint, a
+checkpoint that is not one and a `model.path` without the model (exit 2, naming the file or key, nothing written);
+small shards come with HF's index, and pipeline stages write their own shards."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from megatron.core.optimizer import MegatronOptimizer
 from safetensors.torch import load_file
 
+from streamrl.cli import main
 from streamrl.config import OptimizerConfig
 from streamrl.learner.checkpoint import save_checkpoint
 from streamrl.learner.hf.convert import load_hf_checkpoint, load_hf_weights, stream_hf_weights
@@ -95,6 +98,36 @@ def test_export_hf_cli_writes_the_latest_checkpoint(tp1_world: None, tiny_model_
     exported = load_file(out / "model.safetensors")
     assert exported.keys() == expected.keys()
     assert all(torch.equal(exported[name], expected[name]) for name in expected)
+
+
+def _export_cli(tmp_path: Path, model_dir: Path, *more: str) -> int:
+    out = tmp_path / "hf"
+    code = main(["export-hf", "-c", str(TINY_CONFIG), "--out", str(out), f"run.dir={tmp_path / 'run'}", *more])
+    assert not out.exists()  # refused before anything is written
+    return code
+
+
+def test_export_hf_cli_names_a_missing_or_broken_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _export_cli(tmp_path, tiny_model_dir, f"model.path={tiny_model_dir}") == 2
+    assert (
+        f"{tmp_path / 'run' / 'checkpoints' / 'latest'}: missing (no completed checkpoint)" in capsys.readouterr().err
+    )
+    broken = tmp_path / "run" / "checkpoints" / "step_00000005"
+    broken.mkdir(parents=True)
+    (broken / "meta.json").write_text('{"format": 1, "st')
+    assert _export_cli(tmp_path, tiny_model_dir, f"model.path={tiny_model_dir}", "--checkpoint", str(broken)) == 2
+    assert f"{broken / 'meta.json'}: not valid JSON" in capsys.readouterr().err
+
+
+def test_export_hf_cli_names_a_model_path_without_the_model(
+    tp1_world: None, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, optimizer, _ = _trained(tiny_model_dir)
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, 1, model, optimizer, config_hash="test")
+    assert _export_cli(tmp_path, tiny_model_dir, f"model.path={tmp_path / 'nothing'}") == 2
+    assert f"model.path: {tmp_path / 'nothing'} has no config.json" in capsys.readouterr().err
 
 
 def test_export_streams_shards_with_an_index(tp1_world: None, tiny_model_dir: Path, tmp_path: Path) -> None:
