@@ -119,11 +119,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"streamrl: {exc}", file=sys.stderr)
             return 2
         return 0
+    from streamrl.learner.checkpoint_meta import CheckpointError
     from streamrl.orchestrate import prepare_run, train
 
     if not _layout_fits(prepare_run, config):  # fails before any process starts
         return 2
-    result = train(config, show_progress=not args.no_progress)
+    try:
+        result = train(config, show_progress=not args.no_progress)
+    except CheckpointError as exc:  # the run's checkpoint to resume from is not one: nothing started, nothing lost
+        print(f"streamrl: checkpoint error: {exc}", file=sys.stderr)
+        return 2
     print(result.summary)
     return 0
 
@@ -174,10 +179,11 @@ def _plan(config: Config, gpu_memory_gb: float | None) -> int:
 
 
 def _layout_fits(check: Callable[[Config], None], config: Config) -> bool:
-    """Run a check that raises ValueError naming the field (e.g. a parallel layout the model cannot take)."""
+    """Run a check that raises ValueError or FileNotFoundError naming the field (e.g. a parallel layout the model
+    cannot take, a `model.path` without the model)."""
     try:
         check(config)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"streamrl: config error: {exc}", file=sys.stderr)
         return False
     return True

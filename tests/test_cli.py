@@ -1,5 +1,7 @@
 """`streamrl status` and `streamrl stop` refuse what is not a run directory, and `status` names a status file that is
-not one, each with exit code 2 and nothing written; a run directory whose job has not started has no status yet."""
+not one, each with exit code 2 and nothing written; a run directory whose job has not started has no status yet.
+`streamrl train` refuses a model directory without the model's config or weights, and a run whose checkpoint to
+resume from is not one, with exit code 2 naming the key or file, before any process starts."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from streamrl.cli import main
+from streamrl.models import write_tiny_model
 from streamrl.monitor.health import STATUS_FILE
+
+TINY_CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 
 
 @pytest.mark.parametrize("command", ["status", "stop"])
@@ -41,3 +46,35 @@ def test_a_run_without_status_has_not_started_and_a_written_one_is_shown(
     assert main(["status", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
     assert f"{tmp_path}: step 7" in shown and "perf/tokens_per_s: 12.5" in shown
+
+
+def _train(run_dir: Path, model_dir: Path, *more: str) -> int:
+    return main(
+        ["train", "-c", str(TINY_CONFIG), f"run.dir={run_dir}", f"model.path={model_dir}", "--no-progress", *more]
+    )
+
+
+def test_train_refuses_a_model_directory_without_the_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tmp_path / "model"
+    assert _train(tmp_path / "run", model_dir, "model.init_if_missing=null") == 2
+    assert f"model.path: no config.json in {model_dir}" in capsys.readouterr().err
+    write_tiny_model(model_dir, "qwen3")
+    shard = model_dir / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert _train(tmp_path / "run", model_dir) == 2
+    assert f"{shard}: not a safetensors file" in capsys.readouterr().err
+    shard.unlink()
+    assert _train(tmp_path / "run", model_dir) == 2
+    assert f"model.path: no *.safetensors files in {model_dir}" in capsys.readouterr().err
+
+
+def test_train_refuses_to_resume_from_a_checkpoint_that_is_not_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint.parent / "latest").write_text(checkpoint.name)
+    (checkpoint / "meta.json").write_text("{}")
+    assert _train(tmp_path / "run", tmp_path / "model") == 2
+    assert f"checkpoint error: {checkpoint / 'meta.json'}: field 'format' must be int" in capsys.readouterr().err
+    assert (checkpoint / "meta.json").read_text() == "{}"  # left as it was

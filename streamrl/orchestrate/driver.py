@@ -54,7 +54,10 @@ class RunResult:
 
 
 def ensure_model(config: Config) -> None:
-    """Write the random tiny model when the config asks for one and the path holds none."""
+    """Write the random tiny model when the config asks for one and the path holds none; then the model's config and
+    weight files must be there (FileNotFoundError or ValueError naming `model.path` or the file)."""
+    from streamrl.learner.hf.checkpoint_files import CheckpointTensors
+
     init = config.model.init_if_missing
     if init is not None and not (config.model.path / "config.json").exists():
         from streamrl.models import write_tiny_model
@@ -68,6 +71,8 @@ def ensure_model(config: Config) -> None:
         )
     if not (config.model.path / "config.json").exists():
         raise FileNotFoundError(f"model.path: no config.json in {config.model.path}")
+    # Its weight files too (headers only): a learner rank would otherwise find them missing after the cluster started.
+    CheckpointTensors(config.model.path)
 
 
 def model_architecture(config: Config) -> dict[str, Any]:

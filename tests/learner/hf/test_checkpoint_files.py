@@ -78,3 +78,17 @@ def test_the_index_is_checked(tmp_path: Path) -> None:
     (model_dir / INDEX).write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         CheckpointTensors(model_dir)
+
+
+def test_a_shard_or_an_index_that_is_not_one_is_named(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "model", "qwen3")
+    shard = model_dir / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])  # cut short, as an interrupted copy leaves it
+    with pytest.raises(ValueError, match=f"{shard}: not a safetensors file"):
+        CheckpointTensors(model_dir)
+    (model_dir / INDEX).write_text("[1, 2")
+    with pytest.raises(ValueError, match=f"{model_dir / INDEX}: not a JSON object"):
+        CheckpointTensors(model_dir)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match="model.path: no \\*.safetensors files"):
+        CheckpointTensors(model_dir)
