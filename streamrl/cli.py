@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--arch", default="qwen3", choices=ARCHS)
     init.add_argument("--preset", default="tiny", choices=tuple(PRESETS))
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--force", action="store_true", help="replace a model already in OUT")
     return parser
 
 
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "init-model":
         from streamrl.models import write_tiny_model
 
+        if (args.out / "config.json").exists() and not args.force:  # random weights must not replace a real model
+            print(f"streamrl: {args.out} already holds a model (config.json); --force replaces it", file=sys.stderr)
+            return 2
         print(write_tiny_model(args.out, args.arch, args.preset, args.seed))
         return 0
     try:

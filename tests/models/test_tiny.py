@@ -1,4 +1,5 @@
-"""`streamrl init-model` writes a HuggingFace model + character tokenizer that transformers loads."""
+"""`streamrl init-model` writes a HuggingFace model + character tokenizer that transformers loads, and replaces a
+model already in its directory only with `--force`."""
 
 from pathlib import Path
 
@@ -55,3 +56,15 @@ def test_large_preset_has_qwen3_4b_body_and_is_written_in_bfloat16(tmp_path: Pat
     assert 3.5e9 < 36 * per_layer < 3.7e9  # the preset's 36 layers
     with safe_open(str(out / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+
+
+def test_init_model_keeps_a_model_already_there_unless_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["init-model", str(tmp_path), "--seed", "1"]) == 0
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    assert main(["init-model", str(tmp_path), "--seed", "2"]) == 2
+    assert f"{tmp_path} already holds a model (config.json); --force replaces it" in capsys.readouterr().err
+    assert (tmp_path / "model.safetensors").read_bytes() == weights
+    assert main(["init-model", str(tmp_path), "--seed", "2", "--force"]) == 0
+    assert (tmp_path / "model.safetensors").read_bytes() != weights
