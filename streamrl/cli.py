@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         from streamrl.learner import export_checkpoint
         from streamrl.learner.checkpoint_meta import CheckpointError
 
+        # Into a directory of its own: shards or an index of an earlier export left beside it would mix with it.
+        if args.out.exists() and any(args.out.iterdir()):
+            print(f"streamrl: --out {args.out} is not empty (an export writes a directory of its own)", file=sys.stderr)
+            return 2
         try:
             print(export_checkpoint(config, args.checkpoint, args.out))
         except (CheckpointError, ConfigError) as exc:

@@ -107,6 +107,18 @@ def _export_cli(tmp_path: Path, model_dir: Path, *more: str) -> int:
     return code
 
 
+def test_export_hf_cli_refuses_an_output_directory_that_holds_files(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00003-of-00003.safetensors").write_bytes(b"an earlier export's shard")
+    command = ["export-hf", "-c", str(TINY_CONFIG), "--out", str(out), f"model.path={tiny_model_dir}"]
+    assert main([*command, f"run.dir={tmp_path / 'run'}"]) == 2
+    assert f"--out {out} is not empty" in capsys.readouterr().err
+    assert [path.name for path in out.iterdir()] == ["model-00003-of-00003.safetensors"]
+
+
 def test_export_hf_cli_names_a_missing_or_broken_checkpoint(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
