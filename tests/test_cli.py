@@ -1,7 +1,8 @@
 """`streamrl status` and `streamrl stop` refuse what is not a run directory, and `status` names a status file that is
 not one, each with exit code 2 and nothing written; a run directory whose job has not started has no status yet.
-`streamrl train` refuses a model directory without the model's config or weights, and a run whose checkpoint to
-resume from is not one, with exit code 2 naming the key or file, before any process starts."""
+`streamrl train` refuses a model directory without the model's config or weights, a reward whose code is not there,
+and a run whose checkpoint to resume from is not one, with exit code 2 naming the key or file, before any process
+starts."""
 
 from __future__ import annotations
 
@@ -78,3 +79,8 @@ def test_train_refuses_to_resume_from_a_checkpoint_that_is_not_one(
     assert _train(tmp_path / "run", tmp_path / "model") == 2
     assert f"checkpoint error: {checkpoint / 'meta.json'}: field 'format' must be int" in capsys.readouterr().err
     assert (checkpoint / "meta.json").read_text() == "{}"  # left as it was
+
+
+def test_train_refuses_a_reward_whose_code_is_not_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _train(tmp_path / "run", tmp_path / "model", f"task.reward={tmp_path / 'reward.py'}:score") == 2
+    assert f"config error: task.reward: no Python file at {tmp_path / 'reward.py'}" in capsys.readouterr().err

@@ -261,6 +261,10 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
 def prepare_run(config: Config) -> None:
     """Create the run directory, save the resolved config, make sure the model exists and fits the layout."""
     check_trainable(config)
+    if config.task.reward is not None:
+        from streamrl.rewards.plugin import check_spec
+
+        check_spec(config.task.reward)
     os.environ.setdefault("WANDB_MODE", config.wandb.mode)
     config.run.dir.mkdir(parents=True, exist_ok=True)
     clear_stop_request(config.run.dir)

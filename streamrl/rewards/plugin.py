@@ -24,12 +24,35 @@ from pathlib import Path
 from typing import Any
 
 
-@cache
-def load_function(spec: str) -> Callable[..., Any]:
-    """The callable of "package.module:function" or "file.py:function" (cached per process)."""
+def _parts(spec: str) -> tuple[str, str]:
+    """(module or file, function) of a spec."""
     module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
         raise ValueError(f"task.reward: {spec!r} is not 'package.module:function' or 'file.py:function'")
+    return module_name, attribute
+
+
+def check_spec(spec: str) -> None:
+    """A spec's form and that its code is there (the file, or the module on the Python path), without running the
+    module: the driver refuses a reward no engine could load before any starts (ValueError naming task.reward).
+    Whether the module defines the function shows when an engine loads it."""
+    module_name, _ = _parts(spec)
+    if module_name.endswith(".py"):
+        if not Path(module_name).is_file():
+            raise ValueError(f"task.reward: no Python file at {module_name}")
+        return
+    try:
+        found = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError:  # a missing parent package
+        found = None
+    if found is None:
+        raise ValueError(f"task.reward: no module {module_name!r} on the Python path")
+
+
+@cache
+def load_function(spec: str) -> Callable[..., Any]:
+    """The callable of "package.module:function" or "file.py:function" (cached per process)."""
+    module_name, attribute = _parts(spec)
     if module_name.endswith(".py"):
         path = Path(module_name)
         loader_spec = importlib.util.spec_from_file_location(f"streamrl_reward_{path.stem}", path)
