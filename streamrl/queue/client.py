@@ -80,8 +80,19 @@ def connect(
 
 
 def connect_for(queue: QueueConfig, url: str, password: str | None) -> redis.Redis:
-    """`connect` with the run's reconnect window and ACL user (what every stage of a run uses)."""
-    return connect(url, password, reconnect_timeout_s=queue.reconnect_timeout_s, username=queue.username)
+    """`connect` with the run's reconnect window and ACL user (what every stage of a run uses). A `queue.url` that no
+    Redis answers within that window raises ConnectionError naming it (its address without credentials)."""
+    try:
+        return connect(url, password, reconnect_timeout_s=queue.reconnect_timeout_s, username=queue.username)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        if queue.url is None:  # the embedded server, whose supervision reports and restarts it
+            raise
+        parsed = urlparse(url)
+        where = f"{parsed.hostname}:{parsed.port or 6379}" if parsed.hostname else parsed.path
+        raise ConnectionError(
+            f"queue.url: no Redis answered at {where} within queue.reconnect_timeout_s "
+            f"({queue.reconnect_timeout_s:g} s): {exc}"
+        ) from exc
 
 
 class GatheringConnection(redis.connection.Connection):

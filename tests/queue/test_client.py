@@ -1,13 +1,16 @@
-"""Queue clients: command packing, gathered sends (partial sends, timeouts) and the connection each URL gets."""
+"""Queue clients: command packing, gathered sends (partial sends, timeouts), the connection each URL gets, and a
+`queue.url` no Redis answers named in the error."""
 
 import socket
 import threading
+import time
 
 import pytest
 import redis
 
+from streamrl.config import QueueConfig
 from streamrl.queue import client as queue_client
-from streamrl.queue.client import GatheringConnection, client_for, connect
+from streamrl.queue.client import GatheringConnection, client_for, connect, connect_for
 from streamrl.queue.codec import encode_group, encode_payload
 from tests.queue.test_codec import make_group
 
@@ -82,3 +85,11 @@ def test_a_pipeline_of_large_payloads_reaches_the_server_whole(redis_server, que
         pipe.execute_command("XADD", queue_keys.stream, "*", "g", encode_payload(group))
     pipe.execute()
     assert [fields[b"g"] for _, fields in client.xrange(queue_keys.stream)] == [encode_group(g) for g in groups]
+
+
+def test_a_queue_url_no_redis_answers_is_named_without_its_password() -> None:
+    queue = QueueConfig(url="redis://user:secret@127.0.0.1:1/0", reconnect_timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"queue.url: no Redis answered at 127.0.0.1:1 within .*\(1 s\)") as err:
+        connect_for(queue, queue.url, "secret")
+    assert "secret" not in str(err.value) and time.monotonic() - start < 30
