@@ -1,8 +1,8 @@
 """`streamrl status` and `streamrl stop` refuse what is not a run directory, and `status` names a status file that is
 not one, each with exit code 2 and nothing written; a run directory whose job has not started has no status yet.
 `streamrl train` refuses a model directory without the model's config or weights, a reward whose code is not there,
-and a run whose checkpoint to resume from is not one, with exit code 2 naming the key or file, before any process
-starts."""
+a prompts file that is missing or has a bad row, and a run whose checkpoint to resume from is not one, with exit code
+2 naming the key or file, before any process starts."""
 
 from __future__ import annotations
 
@@ -84,3 +84,14 @@ def test_train_refuses_to_resume_from_a_checkpoint_that_is_not_one(
 def test_train_refuses_a_reward_whose_code_is_not_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _train(tmp_path / "run", tmp_path / "model", f"task.reward={tmp_path / 'reward.py'}:score") == 2
     assert f"config error: task.reward: no Python file at {tmp_path / 'reward.py'}" in capsys.readouterr().err
+
+
+def test_train_refuses_a_prompts_file_that_is_missing_or_has_a_bad_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    assert _train(tmp_path / "run", tmp_path / "model", f"task.prompts_file={prompts}") == 2
+    assert f"config error: task.prompts_file: no file at {prompts}" in capsys.readouterr().err
+    prompts.write_text('{"prompt": "repeat #", "answer": "#"}\n{"prompt": "repeat *"}\n')
+    assert _train(tmp_path / "run", tmp_path / "model", f"task.prompts_file={prompts}") == 2
+    assert f"config error: task.prompts_file: {prompts} row 2 has no key 'answer'" in capsys.readouterr().err

@@ -259,12 +259,18 @@ def run_steps(cluster: Cluster, config: Config, show_progress: bool = True) -> R
 
 
 def prepare_run(config: Config) -> None:
-    """Create the run directory, save the resolved config, make sure the model exists and fits the layout."""
+    """Create the run directory, save the resolved config, make sure the model exists and fits the layout; a reward
+    whose code is not there or a prompts file with a bad row is refused first (ValueError or FileNotFoundError naming
+    the key)."""
     check_trainable(config)
     if config.task.reward is not None:
         from streamrl.rewards.plugin import check_spec
 
         check_spec(config.task.reward)
+    if config.task.prompts_file is not None:  # every row, here: an engine would fail its start-up on a bad one
+        from streamrl.rollout.prompts import load_prompt_file
+
+        load_prompt_file(config.task.prompts_file, config.task.prompt_key, config.task.answer_key)
     os.environ.setdefault("WANDB_MODE", config.wandb.mode)
     config.run.dir.mkdir(parents=True, exist_ok=True)
     clear_stop_request(config.run.dir)

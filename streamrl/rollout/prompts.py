@@ -34,6 +34,8 @@ class Prompt:
 
 def load_prompt_file(path: Path, prompt_key: str, answer_key: str) -> list[Prompt]:
     """Rows of a JSONL or Parquet file as Prompts; errors name the file, row and key."""
+    if not path.is_file():
+        raise FileNotFoundError(f"task.prompts_file: no file at {path}")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq

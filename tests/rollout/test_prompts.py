@@ -40,6 +40,8 @@ def test_bad_prompt_file_names_row_and_key(tmp_path: Path) -> None:
     path.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="row 1 has no key 'answer'"):
         PromptSource(TaskConfig(name="math", prompts_file=path), seed=0)
+    with pytest.raises(FileNotFoundError, match=f"task.prompts_file: no file at {tmp_path / 'none.jsonl'}"):
+        PromptSource(TaskConfig(name="math", prompts_file=tmp_path / "none.jsonl"), seed=0)
 
 
 def test_parquet_prompt_file(tmp_path: Path) -> None:
