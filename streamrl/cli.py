@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(config, args.gpu_memory)
     if args.command == "export-hf":
-        from streamrl.learner import export_checkpoint
-        from streamrl.learner.checkpoint_meta import CheckpointError
+        from streamrl.learner import CheckpointError, export_checkpoint
 
         # Into a directory of its own: shards or an index of an earlier export left beside it would mix with it.
         if args.out.exists() and any(args.out.iterdir()):
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"streamrl: {exc}", file=sys.stderr)
             return 2
         return 0
-    from streamrl.learner.checkpoint_meta import CheckpointError
+    from streamrl.learner import CheckpointError
     from streamrl.orchestrate import prepare_run, train
 
     if not _layout_fits(prepare_run, config):  # fails before any process starts

@@ -10,6 +10,8 @@ __all__, __getattr__ = exports(
         "check_layout": "model.layout",
         "export_checkpoint": "hf.export",
         "completed_step": "checkpoint_meta",
+        "CheckpointError": "checkpoint_meta",
+        "CheckpointTensors": "hf.checkpoint_files",
         "StageParameters": "stage_shapes",
         "stage_parameters": "stage_shapes",
         "moe_layers": "model.moe",

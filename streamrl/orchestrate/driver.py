@@ -56,7 +56,7 @@ class RunResult:
 def ensure_model(config: Config) -> None:
     """Write the random tiny model when the config asks for one and the path holds none; then the model's config and
     weight files must be there (FileNotFoundError or ValueError naming `model.path` or the file)."""
-    from streamrl.learner.hf.checkpoint_files import CheckpointTensors
+    from streamrl.learner import CheckpointTensors
 
     init = config.model.init_if_missing
     if init is not None and not (config.model.path / "config.json").exists():
@@ -264,11 +264,11 @@ def prepare_run(config: Config) -> None:
     the key)."""
     check_trainable(config)
     if config.task.reward is not None:
-        from streamrl.rewards.plugin import check_spec
+        from streamrl.rewards import check_spec
 
         check_spec(config.task.reward)
     if config.task.prompts_file is not None:  # every row, here: an engine would fail its start-up on a bad one
-        from streamrl.rollout.prompts import load_prompt_file
+        from streamrl.rollout import load_prompt_file
 
         load_prompt_file(config.task.prompts_file, config.task.prompt_key, config.task.answer_key)
     os.environ.setdefault("WANDB_MODE", config.wandb.mode)

@@ -5,5 +5,5 @@ from streamrl.api import exports
 
 __all__, __getattr__ = exports(
     __name__,
-    {"RewardPool": "pool", "PendingGroup": "pool", "Scorer": "pool", "load_function": "plugin"},
+    {"RewardPool": "pool", "PendingGroup": "pool", "Scorer": "pool", "load_function": "plugin", "check_spec": "plugin"},
 )

@@ -3,4 +3,4 @@ actor's generation loop. Public API below."""
 
 from streamrl.api import exports
 
-__all__, __getattr__ = exports(__name__, {"RolloutWorker": "worker"})
+__all__, __getattr__ = exports(__name__, {"RolloutWorker": "worker", "load_prompt_file": "prompts"})
