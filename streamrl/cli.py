@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _layout_fits(prepare_run, config):  # fails before any process starts
         return 2
     try:
-        result = train(config, show_progress=not args.no_progress)
+        result = train(config, show_progress=not args.no_progress, prepared=True)
     except CheckpointError as exc:  # the run's checkpoint to resume from is not one: nothing started, nothing lost
         print(f"streamrl: checkpoint error: {exc}", file=sys.stderr)
         return 2

@@ -279,10 +279,12 @@ def prepare_run(config: Config) -> None:
     check_model_layout(config)
 
 
-def train(config: Config, show_progress: bool = True) -> RunResult:
-    """The whole job: prepare the run, start the cluster, run the steps, tear everything down. A run directory
-    whose latest checkpoint already holds `train.steps` steps is finished: it says so and starts nothing."""
-    prepare_run(config)
+def train(config: Config, show_progress: bool = True, prepared: bool = False) -> RunResult:
+    """The whole job: prepare the run (unless the caller has: `prepared`), start the cluster, run the steps, tear
+    everything down. A run directory whose latest checkpoint already holds `train.steps` steps is finished: it says
+    so and starts nothing."""
+    if not prepared:
+        prepare_run(config)
     if config.train.resume:
         from streamrl.learner import completed_step
 

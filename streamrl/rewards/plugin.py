@@ -52,11 +52,12 @@ def check_spec(spec: str) -> None:
 @cache
 def load_function(spec: str) -> Callable[..., Any]:
     """The callable of "package.module:function" or "file.py:function" (cached per process)."""
+    check_spec(spec)
     module_name, attribute = _parts(spec)
     if module_name.endswith(".py"):
         path = Path(module_name)
         loader_spec = importlib.util.spec_from_file_location(f"streamrl_reward_{path.stem}", path)
-        if loader_spec is None or loader_spec.loader is None or not path.exists():
+        if loader_spec is None or loader_spec.loader is None:
             raise ValueError(f"task.reward: no Python file at {path}")
         module = importlib.util.module_from_spec(loader_spec)
         loader_spec.loader.exec_module(module)
