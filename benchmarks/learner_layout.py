@@ -116,11 +116,11 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
 
         extra = lambda: trainer.train(microbatches, args.steps + 1, args.steps + 1)  # noqa: E731
         if rank == 0 and cuda:
-            profile_step(extra, seconds, out / "rank0.profile.txt")
+            profile_step(extra, seconds, out.with_suffix(".rank0.profile.txt"))
         else:
             extra()
     if rank == 0:
-        (out / "rank0.json").write_text(
+        out.with_suffix(".rank0.json").write_text(
             json.dumps(
                 {
                     "startup_s": built_s,
@@ -204,9 +204,11 @@ def main() -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    mp.spawn(_rank, args=(args, free_port(), out.parent), nprocs=world, join=True)
+    # Rank 0's files are named after the JSON: two runs writing beside each other (one per GPU) keep theirs apart.
+    mp.spawn(_rank, args=(args, free_port(), out), nprocs=world, join=True)
     stop.set()
-    measured = json.loads((out.parent / "rank0.json").read_text())
+    measured = json.loads(out.with_suffix(".rank0.json").read_text())
+    out.with_suffix(".rank0.json").unlink()
     result = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
         "gpus": world,
@@ -240,7 +242,7 @@ def main() -> None:
     print(f"{'peak GPU GB (reserved)':<28}{result['peak_reserved_gb']:>10.1f}{result['plan']['gpu_gb']:>10.1f}")
     print(f"{'peak GPU GB (allocated)':<28}{result['peak_allocated_gb']:>10.1f}")
     print(f"{'peak host GB (node)':<28}{result['peak_host_gb']:>10.1f}{result['plan']['host_gb']:>10.1f}")
-    profiled = out.parent / "rank0.profile.txt"
+    profiled = out.with_suffix(".rank0.profile.txt")
     if args.profile and profiled.exists():  # rank 0's kernels (NCCL's all-to-all among them), beside the JSON
         profiled.replace(out.with_suffix(".profile.txt"))
         print(out.with_suffix(".profile.txt").read_text())
