@@ -1,11 +1,7 @@
 """The suite's xdist scopes (`tests/xdist_scope.py`): the tests of a module sharing a module-scoped fixture go to one
 worker together; any other test is a unit of its own."""
 
-import pytest
-
-pytest.importorskip("xdist")  # the GPU machines' pytest has no xdist
-
-from tests.xdist_scope import SharedFixtureScheduling  # noqa: E402
+from tests.xdist_scope import SharedFixtureScheduling
 
 
 def _scope(nodeid: str) -> str:
