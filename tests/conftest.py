@@ -151,7 +151,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not item.nodeid.startswith("tests/orchestrate/"))
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: pytest without it (the GPU machines) ignores it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """`--dist loadscope`: this suite's scopes (`tests/xdist_scope.py`); any other mode: xdist's own."""
     if config.getvalue("dist") != "loadscope":
