@@ -145,16 +145,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The whole-job tests (tests/orchestrate, up to four minutes each) run first, in their usual order, the rest after
     them: the suite ends when the slower of its two xdist workers does, so the short tests are what should fill
-    the end, not a long one started late. With each worker taking one test at a time (or one module's, see
-    `tests/xdist_scope.py`), both share the whole jobs; xdist's default chunks gave them all to one worker (CI 1,805 s
-    against 1,435 s). A stable sort: every module's tests stay together."""
+    the end, not a long one started late. With each worker taking one test at a time (`--maxschedchunk=1`, as CI
+    runs), both share the whole jobs; xdist's default chunks gave them all to one worker (CI 1,805 s against 1,435 s).
+    A stable sort: every module's tests stay together."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/orchestrate/"))
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """`--dist loadscope`: this suite's scopes (`tests/xdist_scope.py`); any other mode: xdist's own."""
-    if config.getvalue("dist") != "loadscope":
-        return None
-    from tests.xdist_scope import SharedFixtureScheduling
-
-    return SharedFixtureScheduling(config, log)
