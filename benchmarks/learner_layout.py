@@ -207,8 +207,9 @@ def main() -> None:
     # Rank 0's files are named after the JSON: two runs writing beside each other (one per GPU) keep theirs apart.
     mp.spawn(_rank, args=(args, free_port(), out), nprocs=world, join=True)
     stop.set()
-    measured = json.loads(out.with_suffix(".rank0.json").read_text())
-    out.with_suffix(".rank0.json").unlink()
+    rank0 = out.with_suffix(".rank0.json")
+    measured = json.loads(rank0.read_text())
+    rank0.unlink()
     result = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
         "gpus": world,
