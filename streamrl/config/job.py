@@ -36,6 +36,9 @@ class TinyModelInit(_Section):
         "tiny", description="Shape preset (streamrl.models.tiny.PRESETS; medium: ~0.2B, large: ~3.6B, for GPUs)."
     )
     tie_word_embeddings: bool = Field(False, description="Share the input embedding with the output layer.")
+    num_layers: int | None = Field(
+        None, gt=0, description="Layers in place of the preset's count (a shallower or deeper model of its width)."
+    )
 
 
 class ModelConfig(_Section):

@@ -199,13 +199,15 @@ def _check(arch: str, preset: str) -> None:
         raise ValueError(f"preset: unknown preset {preset!r}; choose one of {tuple(PRESETS)}")
 
 
-def tiny_model_config(arch: str = "qwen3", preset: str = "tiny", tie_word_embeddings: bool = False) -> dict[str, Any]:
+def tiny_model_config(
+    arch: str = "qwen3", preset: str = "tiny", tie_word_embeddings: bool = False, num_layers: int | None = None
+) -> dict[str, Any]:
     """The HF config (config.json's fields) that `write_tiny_model` writes for `arch` and `preset`, without building
     the model: what `streamrl plan` plans with before a config's `model.init_if_missing` has written anything."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     _check(arch, preset)
-    config = _hf_config(arch, preset, _dtype(preset), None, tie_word_embeddings, {})
+    config = _hf_config(arch, preset, _dtype(preset), num_layers, tie_word_embeddings, {})
     # What save_pretrained records from the model class that from_config builds.
     return {**config.to_dict(), "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]}
 

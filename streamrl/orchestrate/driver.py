@@ -67,6 +67,7 @@ def ensure_model(config: Config) -> None:
             init.arch,
             init.preset,
             seed=config.run.seed,
+            num_layers=init.num_layers,
             tie_word_embeddings=init.tie_word_embeddings,
         )
     if not (config.model.path / "config.json").exists():
@@ -86,7 +87,7 @@ def model_architecture(config: Config) -> dict[str, Any]:
         if init is not None:
             from streamrl.models import tiny_model_config
 
-            return tiny_model_config(init.arch, init.preset, init.tie_word_embeddings)
+            return tiny_model_config(init.arch, init.preset, init.tie_word_embeddings, init.num_layers)
         raise FileNotFoundError(
             f"model.path: no config.json in {config.model.path} (and no model.architecture or model.init_if_missing)"
         )

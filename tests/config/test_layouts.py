@@ -1,6 +1,7 @@
 """Presets: every row of every layout table loads and divides its model; `cluster.gpus` picks a row; errors list
 the rows."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,17 @@ def test_an_engine_wider_than_a_node_needs_the_ray_executor(tmp_path: Path) -> N
     config = load_config(CONFIGS / "tiny.yaml", wide_colocated)
     assert config.colocated
     check_trainable(config)
+
+
+def test_a_random_models_depth_follows_init_if_missing_num_layers(tmp_path: Path) -> None:
+    """What the plan and layout checks read before the model exists is what `ensure_model` then writes."""
+    from streamrl.orchestrate.driver import ensure_model
+
+    overrides = [f"model.path={tmp_path / 'm'}", "model.init_if_missing.num_layers=3"]
+    config = load_config(CONFIGS / "tiny.yaml", overrides)
+    assert model_architecture(config)["num_hidden_layers"] == 3
+    ensure_model(config)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 3
+    assert model_architecture(config)["num_hidden_layers"] == 3
+    with pytest.raises(ConfigError, match=r"model\.init_if_missing\.num_layers"):
+        load_config(CONFIGS / "tiny.yaml", [*overrides[:1], "model.init_if_missing.num_layers=0"])
