@@ -19,7 +19,9 @@ An engine of data-parallel ranks (`rollout.gpus_per_engine` a multiple of `rollo
 `DataParallelEngine`) runs `engine` and `worker` as a job does, against one standalone ceiling, `vllm`: vLLM's
 `AsyncLLM` with the same ranks generating all the prompts at once.
 
-Each runs until `--groups` groups are done and reports generated tokens/s (response tokens of finished groups over
+Each generates the first `--groups` prompts of engine 0's prompt stream, each response as long as the task asks
+where it asks (`task.exact_lengths`: the long tail's lengths, end-of-sequence ignored; the rollout loop starts no
+prompt past them), and reports generated tokens/s (response tokens of finished groups over
 the wall time from the first submission), the ratio to standalone vLLM, and, where nvidia-smi exists, the GPU's
 busy fraction over that time. `engine` and `worker` run the engine as the config says: with
 `rollout.engine_process=true rollout.async_scheduling=true` among the overrides they drive vLLM's core in a process
@@ -51,23 +53,23 @@ from streamrl.config import Config, load_config
 ARRANGEMENTS = ("vllm", "vllm-process", "vllm-process-async", "engine", "worker")
 
 
-def _prompt_ids(config: Config, count: int) -> list[list[int]]:
-    """The first `count` prompts of engine 0's prompt stream, tokenised as the rollout loop does."""
+def _prompt_ids(config: Config, count: int) -> list[tuple[list[int], int | None]]:
+    """The first `count` prompts of engine 0's prompt stream, tokenised as the rollout loop does, each with the exact
+    response length the task asks of it (None: up to `rollout.max_tokens`, ended by end-of-sequence)."""
     from transformers import AutoTokenizer
 
     from streamrl.rollout.prompts import PromptSource
 
     tokenizer = AutoTokenizer.from_pretrained(str(config.model.path), trust_remote_code=config.model.trust_remote_code)
     prompts = PromptSource(config.task, seed=config.run.seed * 1000)
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": next(prompts).text}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        for _ in range(count)
-    ]
+    chat = [{"role": "user", "content": ""}]
+    drawn = []
+    for _ in range(count):
+        prompt = next(prompts)
+        chat[0]["content"] = prompt.text
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        drawn.append((ids, prompt.exact_length))
+    return drawn
 
 
 def _standalone_arguments(config: Config, settings: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
@@ -101,9 +103,11 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     )
     # What vLLM kept (it turns async scheduling off where the platform lacks it, CPU among them).
     async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
-    params = _sampling_params(config)
-    prompts = [{"prompt_token_ids": ids} for ids in _prompt_ids(config, groups)]
-    llm.generate(prompts[: min(8, groups)], params, use_tqdm=False)  # warm-up: first-call compilation stays out
+    drawn = _prompt_ids(config, groups)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in drawn]
+    params = [_sampling_params(config, exact) for _, exact in drawn]
+    warm = min(8, groups)  # warm-up: first-call compilation stays out
+    llm.generate(prompts[:warm], params[:warm], use_tqdm=False)
     sampler.start()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -118,14 +122,16 @@ def _standalone(config: Config, groups: int, max_num_seqs: int, sampler: Any, va
     }
 
 
-def _sampling_params(config: Config, **extra: Any) -> Any:
-    """The engine's sampling for the standalone ceilings: `rollout.n` samples, behaviour log-probs, no text."""
+def _sampling_params(config: Config, exact_length: int | None, **extra: Any) -> Any:
+    """The engine's sampling for the standalone ceilings: `rollout.n` samples, behaviour log-probs, no text; each
+    `exact_length` tokens long (end-of-sequence ignored) where the task asks, as the engine's are."""
     from vllm import SamplingParams
 
     rollout = config.rollout
     return SamplingParams(
         n=rollout.n,
-        max_tokens=rollout.max_tokens,
+        max_tokens=exact_length or rollout.max_tokens,
+        ignore_eos=exact_length is not None,
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         logprobs=0,
@@ -150,7 +156,6 @@ def _standalone_data_parallel(config: Config, groups: int, max_num_seqs: int, sa
     from streamrl.rollout.engine_settings import engine_settings
 
     rollout, kwargs = config.rollout, engine_settings(config)
-    params = _sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY)  # one output a request, all n
     prompts = _prompt_ids(config, groups)
 
     async def run() -> dict[str, Any]:
@@ -168,17 +173,18 @@ def _standalone_data_parallel(config: Config, groups: int, max_num_seqs: int, sa
             )
         )
 
-        async def one(request_id: str, ids: list[int]) -> int:
+        async def one(request_id: str, ids: list[int], exact_length: int | None) -> int:
+            params = _sampling_params(config, exact_length, output_kind=RequestOutputKind.FINAL_ONLY)  # all n at once
             tokens = 0
             async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
                 tokens += sum(len(c.token_ids) for c in out.outputs)
             return tokens
 
         try:
-            await asyncio.gather(*(one(f"warm-{i}", ids) for i, ids in enumerate(prompts[: min(8, groups)])))
+            await asyncio.gather(*(one(f"warm-{i}", *prompt) for i, prompt in enumerate(prompts[: min(8, groups)])))
             sampler.start()
             started = time.perf_counter()
-            tokens = await asyncio.gather(*(one(f"bench-{i}", ids) for i, ids in enumerate(prompts)))
+            tokens = await asyncio.gather(*(one(f"bench-{i}", *prompt) for i, prompt in enumerate(prompts)))
             wall = time.perf_counter() - started
         finally:
             llm.shutdown()
@@ -206,21 +212,24 @@ def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> di
     rollout = config.rollout
     engine = start_engine(config)
     prompts = _prompt_ids(config, groups)
-    engine.generate(prompts[: min(8, groups)], n=rollout.n, max_tokens=rollout.max_tokens)  # warm-up
+    warm = [ids for ids, _ in prompts[: min(8, groups)]]
+    engine.generate(warm, n=rollout.n, max_tokens=rollout.max_tokens)  # warm-up: first-call compilation stays out
     submitted = done = tokens = 0
     sampler.start()
     stacks = StackSampler(threading.get_ident()).start() if profile else None  # this thread runs the loop
     started = time.perf_counter()
     while done < groups:
         while submitted < groups and submitted - done < rollout.prompts_per_batch:
+            ids, exact_length = prompts[submitted]
             engine.submit(
                 f"bench-{submitted}",
-                prompts[submitted],
+                ids,
                 rollout.n,
                 rollout.max_tokens,
                 rollout.temperature,
                 rollout.top_p,
                 detokenize=False,
+                exact_length=exact_length,
             )
             submitted += 1
         engine.step()
@@ -250,12 +259,25 @@ def _worker(config: Config, groups: int, sampler: Any, profile: bool) -> dict[st
     try:
         worker = RolloutWorker(config, 0, server.url, server.password)
         worker.engine.generate([[1, 2, 3]], n=config.rollout.n, max_tokens=config.rollout.max_tokens)  # warm-up
+        # The first `groups` prompts only, as the other arrangements: a loop that went on starting prompts would push
+        # short groups started after the long ones ahead of them, and the count of pushed groups would end the run
+        # before its long tail had finished.
+        may_start, started_prompts = worker.admission.may_start, 0
+
+        def first_prompts_only(engine_version: int, position: dict[str, int]) -> bool:
+            nonlocal started_prompts
+            if started_prompts >= groups or not may_start(engine_version, position):
+                return False
+            started_prompts += 1
+            return True
+
+        worker.admission.may_start = first_prompts_only
         loop = threading.Thread(target=worker.run, daemon=True)
         sampler.start()
         started = time.perf_counter()
         loop.start()
         stacks = StackSampler(loop.ident).start() if profile and loop.ident is not None else None
-        while worker.outbox.groups_pushed < groups and loop.is_alive():
+        while worker.outbox.groups_pushed + worker.prompts_too_long < groups and loop.is_alive():
             time.sleep(0.005)
         wall = time.perf_counter() - started
         pushed, tokens = worker.outbox.groups_pushed, worker.tokens_generated
