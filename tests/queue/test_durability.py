@@ -67,7 +67,9 @@ def test_sigkill_and_restart_lose_nothing_and_train_nothing_twice(tmp_path) -> N
 
     try:
         threads = [_thread(produce, errors), _thread(consume, errors)]
+        deadline = time.monotonic() + 25
         while len(trained) < N_GROUPS // 3 and not errors:
+            assert time.monotonic() < deadline, f"{len(trained)} groups trained in 25 s, before any crash"
             time.sleep(0.005)
         server.kill()
         pushed_at_kill, trained_at_kill = len(pushed), len(trained)

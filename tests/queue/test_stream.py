@@ -227,8 +227,9 @@ def test_producers_racing_for_a_crowded_backlog_send_no_refused_payload(redis_se
         ]
         for thread in threads:
             thread.start()
-        delivered = 0
+        delivered, deadline = 0, time.monotonic() + 60
         while delivered < 16:
+            assert time.monotonic() < deadline, f"round {round_}: {delivered} of 16 groups delivered in 60 s"
             batch = consumer.read(4, 100)
             delivered += len(batch)
             consumer.commit(batch)

@@ -75,8 +75,12 @@ def test_a_version_reaches_every_rank_and_requests_in_flight_keep_their_tokens(
     lengths = [48, 12, 40, 20, 56, 8]
     for i, length in enumerate(lengths):
         dp.submit(f"long-{i}", prompt, n=2, max_tokens=64, exact_length=length)
-    while sum(len(s.token_ids) for samples in dp._running.values() for s in samples) < 40:
+    for _ in range(1000):  # bounded: an engine that made no token would otherwise step forever
+        if sum(len(s.token_ids) for samples in dp._running.values() for s in samples) >= 40:
+            break
         dp.step()
+    else:
+        raise AssertionError("the requests made fewer than 40 tokens in 1000 steps")
     other = write_tiny_model(tmp_path_factory.mktemp("tiny-moe-seed2"), arch="qwen3_moe", seed=2)
     assert _gap_to_hf(dp, other) > 1e-2  # the engine still serves the checkpoint it started from
     assert _publish(dp, group, 1, _weights(other)) == dp.policy_version == 1
