@@ -202,8 +202,9 @@ def _check(arch: str, preset: str) -> None:
 def tiny_model_config(
     arch: str = "qwen3", preset: str = "tiny", tie_word_embeddings: bool = False, num_layers: int | None = None
 ) -> dict[str, Any]:
-    """The HF config (config.json's fields) that `write_tiny_model` writes for `arch` and `preset`, without building
-    the model: what `streamrl plan` plans with before a config's `model.init_if_missing` has written anything."""
+    """The HF config (config.json's fields) that `write_tiny_model` writes for `arch` and `preset` (at `num_layers`
+    where given), without building the model: what `streamrl plan` plans with before a config's
+    `model.init_if_missing` has written anything."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     _check(arch, preset)
