@@ -19,8 +19,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_every_arrangement_samples_the_lengths_the_task_asks(tmp_path: Path) -> None:
-    long_tail = ["task.exact_lengths=true", "task.long_fraction=0.5", "task.target_length=8", "task.long_factor=4", "rollout.max_tokens=64"]
-    config = load_config(CONFIGS / "tiny.yaml", [f"model.path={tmp_path / 'm'}", *long_tail])
+    long_tail = ["task.exact_lengths=true", "task.long_fraction=0.5", "task.target_length=8", "task.long_factor=4"]
+    config = load_config(CONFIGS / "tiny.yaml", [f"model.path={tmp_path / 'm'}", "rollout.max_tokens=64", *long_tail])
     ensure_model(config)
     drawn = _prompt_ids(config, 16)
     stream = PromptSource(config.task, seed=config.run.seed * 1000)  # engine 0's, as its rollout loop draws them
