@@ -1,7 +1,8 @@
 """An engine's generation against standalone vLLM on the same device, model, prompts and batch.
 
-Usage: `python benchmarks/engine_generation.py -c CONFIG [--groups 256] [--profile] [--out PATH] [override ...]`. Five
-arrangements, each in a process of its own (one vLLM per process), on the config's model, task and rollout settings:
+Usage: `python benchmarks/engine_generation.py -c CONFIG [--groups 256] [--profile] [--version-every S] [--out PATH]
+[override ...]`. Five arrangements (six with `--version-every`), each in a process of its own (one vLLM per process),
+on the config's model, task and rollout settings:
 
 - `vllm`: standalone vLLM, `LLM.generate` on all the prompts at once, `n` samples each, at most as many sequences
   running as the engine keeps in flight (`max_num_seqs`), with the engine's sampling (behaviour log-probs, no text),
@@ -12,6 +13,11 @@ arrangements, each in a process of its own (one vLLM per process), on the config
   column says what ran). These two are ceilings for an engine that would drive vLLM that way;
 - `engine`: streamrl's `VLLMEngine` stepped by a bare loop that keeps `rollout.prompts_per_batch` prompts in flight
   (vLLM driven step by step, every token stamped with its version, as the rollout loop does);
+- `engine-versions` (with `--version-every S`): the bare loop, and every S seconds what a weight version does to the
+  requests in flight besides swapping the weights: between two steps every running request is preempted and its KV
+  recomputed (`reset_prefix_cache(reset_running_requests=True)`), as an asynchronous job does at every publish;
+  against `engine`, what versions cost generation (the weights' own load is `engine_load.py`'s; not for an engine of
+  data-parallel ranks);
 - `worker`: the whole rollout loop (`RolloutWorker.run`: tokenising, decoding off the loop, rewards, pushes into a
   real Redis stream), with the staleness gate off and a backlog that never fills (nothing consumes).
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -50,7 +57,7 @@ from stack_sampler import StackSampler
 
 from streamrl.config import Config, load_config
 
-ARRANGEMENTS = ("vllm", "vllm-process", "vllm-process-async", "engine", "worker")
+ARRANGEMENTS = ("vllm", "vllm-process", "vllm-process-async", "engine", "engine-versions", "worker")
 
 
 def _prompt_ids(config: Config, count: int) -> list[tuple[list[int], int | None]]:
@@ -206,7 +213,16 @@ def _loop_profile(stacks: StackSampler | None) -> dict[str, Any]:
     return {"loop_in_vllm_step": stacks.share("VLLMEngine.step"), "profile": stacks.report()}
 
 
-def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> dict[str, Any]:
+def _restart_in_flight(engine: Any) -> None:
+    """What a weight version does to the requests in flight besides the weights (`VLLMEngine.load_weights`,
+    `receive_version`): between two steps, every running request is preempted and recomputes its KV."""
+    with engine._between_steps():
+        engine._restart_requests()
+
+
+def _bare_engine(
+    config: Config, groups: int, sampler: Any, profile: bool, version_every_s: float = 0.0
+) -> dict[str, Any]:
     from streamrl.rollout.engine_settings import start_engine
 
     rollout = config.rollout
@@ -218,6 +234,7 @@ def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> di
     sampler.start()
     stacks = StackSampler(threading.get_ident()).start() if profile else None  # this thread runs the loop
     started = time.perf_counter()
+    versions, next_version = 0, started + version_every_s if version_every_s else math.inf
     while done < groups:
         while submitted < groups and submitted - done < rollout.prompts_per_batch:
             ids, exact_length = prompts[submitted]
@@ -236,6 +253,9 @@ def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> di
         for samples in engine.pop_finished().values():
             done += 1
             tokens += sum(len(s.token_ids) for s in samples)
+        if time.perf_counter() >= next_version:
+            _restart_in_flight(engine)
+            versions, next_version = versions + 1, next_version + version_every_s
     wall = time.perf_counter() - started
     profiled = _loop_profile(stacks)
     if _data_parallel(config) > 1:  # vLLM's AsyncLLM: its config is its own attribute; its ranks end here
@@ -243,7 +263,8 @@ def _bare_engine(config: Config, groups: int, sampler: Any, profile: bool) -> di
         engine.close()
     else:
         max_num_seqs = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-    return {"groups": done, "tokens": tokens, "wall_s": wall, "max_num_seqs": max_num_seqs} | profiled
+    row = {"groups": done, "tokens": tokens, "wall_s": wall, "max_num_seqs": max_num_seqs}
+    return row | ({"versions": versions} if version_every_s else {}) | profiled
 
 
 def _data_parallel(config: Config) -> int:
@@ -298,8 +319,9 @@ def _run_one(args: argparse.Namespace, config: Config) -> dict[str, Any]:
         row = _standalone_data_parallel(config, args.groups, args.max_num_seqs, sampler)
     elif args.which.startswith("vllm"):
         row = _standalone(config, args.groups, args.max_num_seqs, sampler, args.which)
-    elif args.which == "engine":
-        row = _bare_engine(config, args.groups, sampler, args.profile_to is not None)
+    elif args.which.startswith("engine"):
+        every = args.version_every if args.which == "engine-versions" else 0.0
+        row = _bare_engine(config, args.groups, sampler, args.profile_to is not None, every)
     else:
         row = _worker(config, args.groups, sampler, args.profile_to is not None)
     sampler.stop()
@@ -321,6 +343,12 @@ def main() -> None:
         action="store_true",
         help="sample the engine's and the worker's loop thread (OUT.<arrangement>.profile.txt)",
     )
+    parser.add_argument(
+        "--version-every",
+        type=float,
+        default=0.0,
+        help="also run `engine-versions`: the bare engine restarting its requests in flight every this many seconds",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     # Nothing consumes: no staleness gate, and a backlog the whole run fits in.
@@ -336,11 +364,15 @@ def main() -> None:
     rows: dict[str, dict[str, Any]] = {}
     # An engine of data-parallel ranks runs vLLM's cores in processes of their own already: one standalone ceiling.
     arrangements = ARRANGEMENTS if _data_parallel(config) == 1 else ("vllm", "engine", "worker")
+    if not args.version_every:
+        arrangements = tuple(a for a in arrangements if a != "engine-versions")
     # The engine first: standalone vLLM then runs as many sequences at once as the engine could.
     for which in ("engine", *(a for a in arrangements if a != "engine")):
         command = [sys.executable, __file__, "-c", str(args.config), "--groups", str(args.groups), "--which", which]
         if which.startswith("vllm"):
             command += ["--max-num-seqs", str(rows["engine"]["max_num_seqs"])]
+        elif which == "engine-versions":
+            command += ["--version-every", str(args.version_every)]
         elif args.profile:
             command += ["--profile-to", str(_profile_path(args.out, which))]
         done = subprocess.run([*command, *args.overrides], capture_output=True, text=True, check=False)
@@ -359,8 +391,9 @@ def main() -> None:
         result["rows"].append({**row, "tokens_per_s": rate, "vs_vllm": rate / baseline})
         busy = "-" if row["gpu_busy"] is None else f"{row['gpu_busy']:.2f}"
         scheduling = {True: "on", False: "off"}.get(row.get("async_scheduling"), "-")
+        label = f"{which} ({row['versions']} versions)" if "versions" in row else which
         print(
-            f"| {which} | {row['groups']} | {row['wall_s']:.2f} | {rate:.0f} | {rate / baseline:.2f} | "
+            f"| {label} | {row['groups']} | {row['wall_s']:.2f} | {rate:.0f} | {rate / baseline:.2f} | "
             f"{scheduling} | {busy} |"
         )
     for which in ("engine", "worker"):
