@@ -1,6 +1,7 @@
 """Shared pytest fixtures: tiny random HF models (written once per session) and a vLLM engine serving one; one Ray
-cluster that the session's jobs join; a port range of its own for each xdist worker; the whole-job tests first; and,
-for a failed end-to-end test, the errors its actors wrote to the run's logs, in its report."""
+cluster that the session's jobs join; a port range of its own for each xdist worker; the whole-job tests first; zmq
+contexts that the garbage collector reaches closed without waiting on their peers; and, for a failed end-to-end test,
+the errors its actors wrote to the run's logs, in its report."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -27,6 +28,30 @@ if not os.environ.get(PORT_RANGE_VAR) and _worker < 4:
 
 if TYPE_CHECKING:  # vLLM is heavy: imported only by the tests that use the engine
     from streamrl.rollout.engine import VLLMEngine
+
+
+def _close_sockets_without_waiting(context: Any) -> None:
+    """`zmq.Context.__del__` in the test processes: close what is left open with linger 0, and skip `term()`.
+
+    vLLM clients created in a test process (an engine core of its own, data-parallel ranks, tensor-parallel workers)
+    leave zmq contexts behind, and pyzmq's `__del__` terminates one whenever the garbage collector reaches it, in
+    whatever test runs then. `term()` waits for every message still queued on the context's sockets, to peers that
+    are gone: CI once waited there for pytest-timeout's 900 s (inside `__del__`, whose exception Python ignores, so
+    the unrelated test then passed); an earlier hang past CI's limit, before the timeouts, likely was the same. A
+    context left unterminated costs its I/O thread until the process ends."""
+    if context._shadow or context.closed:
+        return
+    for socket in list(getattr(context, "_sockets", None) or []):
+        if socket is not None and not socket.closed:
+            socket.close(linger=0)
+
+
+try:
+    import zmq
+except ImportError:  # a learner-only install has no vLLM, and so no zmq
+    pass
+else:
+    zmq.Context.__del__ = _close_sockets_without_waiting
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ BUCKET_BYTES = 64 << 10  # several buckets per version
 
 
 @pytest.fixture(scope="module")
-def sharded(tiny_model_dir: Path) -> tuple[VLLMEngine, WeightGroup]:
+def sharded(tiny_model_dir: Path) -> Iterator[tuple[VLLMEngine, WeightGroup]]:
     """A TP=2 engine of the tiny model whose two workers are ranks 1 and 2 of a weight group this process leads."""
     engine = VLLMEngine(tiny_model_dir, kv_cache_bytes=32 << 20, max_model_len=256, tensor_parallel=2)
     port = free_port()
@@ -36,7 +36,8 @@ def sharded(tiny_model_dir: Path) -> tuple[VLLMEngine, WeightGroup]:
     )
     group = WeightGroup("127.0.0.1", port, 0, 3, generation=0, timeout_s=TIMEOUT_S)
     joined()
-    return engine, group
+    yield engine, group
+    engine.llm.llm_engine.engine_core.shutdown()  # its workers and their queues end with the module
 
 
 def _in_thread(task: Callable[[], Any]) -> Callable[[], Any]:
