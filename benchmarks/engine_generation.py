@@ -15,7 +15,8 @@ on the config's model, task and rollout settings:
   (vLLM driven step by step, every token stamped with its version, as the rollout loop does);
 - `engine-versions` (with `--version-every S`): the bare loop, and every S seconds what a weight version does to the
   requests in flight besides swapping the weights: between two steps every running request is preempted and its KV
-  recomputed (`reset_prefix_cache(reset_running_requests=True)`), as an asynchronous job does at every publish;
+  recomputed (`reset_prefix_cache(reset_running_requests=True)`), as an asynchronous job does at every publish
+  (with `rollout.kv_on_update=keep` among the overrides, what that setting does instead: they go on);
   against `engine`, what versions cost generation (the weights' own load is `engine_load.py`'s; not for an engine of
   data-parallel ranks);
 - `worker`: the whole rollout loop (`RolloutWorker.run`: tokenising, decoding off the loop, rewards, pushes into a
@@ -214,10 +215,12 @@ def _loop_profile(stacks: StackSampler | None) -> dict[str, Any]:
 
 
 def _restart_in_flight(engine: Any) -> None:
-    """What a weight version does to the requests in flight besides the weights (`VLLMEngine.load_weights`,
-    `receive_version`): between two steps, every running request is preempted and recomputes its KV."""
+    """What a weight version does to the requests besides the weights (`VLLMEngine.load_weights`, `receive_version`):
+    between two steps, every running request is preempted and recomputes its KV (with `rollout.kv_on_update=keep`
+    they go on over their KV, and new requests are salted with the new version)."""
     with engine._between_steps():
         engine._restart_requests()
+        engine.policy_version += 1
 
 
 def _bare_engine(

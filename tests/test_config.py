@@ -45,6 +45,8 @@ def test_cross_field_check_names_key() -> None:
         build_config({**BASE, "queue": {"url": "http://x"}})
     with pytest.raises(ConfigError, match=r"rollout\.weight_apply: 'streamed' .* needs rollout\.weight_update"):
         build_config({**BASE, "rollout": {"weight_apply": "streamed", "weight_update": "drain"}})
+    with pytest.raises(ConfigError, match=r"rollout\.kv_on_update: 'keep' .* rollout\.weight_update 'drain'"):
+        build_config({**BASE, "rollout": {"kv_on_update": "keep", "weight_update": "drain"}})
     with pytest.raises(ConfigError, match=r"rollout\.async_scheduling: needs rollout\.engine_process"):
         build_config({**BASE, "rollout": {"async_scheduling": True}})
     with pytest.raises(ConfigError, match=r"optimizer\.cpu_offload: needs optimizer\.distributed"):

@@ -51,6 +51,14 @@ class RolloutConfig(_Section):
     weight_update: Literal["inflight", "drain"] = Field(
         "inflight", description="Apply a new version between decoding steps (inflight) or once no request runs."
     )
+    kv_on_update: Literal["recompute", "keep"] = Field(
+        "recompute",
+        description="What requests in flight do at a new version. recompute: they are preempted and recompute their "
+        "KV under the new weights, so no token is sampled over another version's KV. keep: they go on over the KV "
+        "their earlier tokens made (PipelineRL's in-flight update: no recompute at a version; every log-prob is still "
+        "exactly as sampled, and new requests share cached prefixes only within their own version); the in-job "
+        "parity check then counts only responses made under one version. Needs weight_update=inflight.",
+    )
     weight_apply: Literal["staged", "streamed"] = Field(
         "staged",
         description="staged: receive a version while decoding, then pause once to load it; streamed: pause for the "
@@ -109,11 +117,16 @@ class RolloutConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _streamed_needs_inflight(self) -> RolloutConfig:
+    def _inflight_only_settings(self) -> RolloutConfig:
         if self.weight_apply == "streamed" and self.weight_update == "drain":
             raise ValueError(
                 "rollout.weight_apply: 'streamed' pauses running requests, so it needs "
                 "rollout.weight_update 'inflight', not 'drain'"
+            )
+        if self.kv_on_update == "keep" and self.weight_update == "drain":
+            raise ValueError(
+                "rollout.kv_on_update: 'keep' is for requests running across a version, which "
+                "rollout.weight_update 'drain' never has; use 'inflight'"
             )
         return self
 

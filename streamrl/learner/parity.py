@@ -1,20 +1,24 @@
 """In-job check that the engines compute with the weights the learner published (`train.parity_every`).
 
-Contract: `ParityCheck(every, tolerance)`; `due(step)` says whether step `step` (1-based) checks, which stays true
-on the following steps until one has tokens to check. `measure(start_logp, microbatches, version, device)` takes
-the learner's log-probs at the step's starting weights (`{id(mb): [1, T]}` from the last pipeline stage's first TP
-rank, `{}` from every other rank, so each token counts once) and compares them with the engines' behaviour
-log-probs on the response tokens sampled under `version`, the version those weights were published as (any other
-token is off-policy by design). Every rank of the learner world must call it; all get the same metrics
-(`rollout_corr/parity_abs_mean`, `_abs_max`, `_tokens`), and all raise `ParityError` when the mean exceeds the
-tolerance, so a silent divergence (an engine computing with a stale copy of a weight, a sampler the learner does
-not reproduce) stops the job with a reason instead of training on wrong importance weights.
+Contract: `ParityCheck(every, tolerance, whole_responses=False)`; `due(step)` says whether step `step` (1-based) checks,
+which stays true on the following steps until one has tokens to check. `measure(start_logp, microbatches, version,
+device)` takes the learner's log-probs at the step's starting weights (`{id(mb): [1, T]}` from the last pipeline stage's
+first TP rank, `{}` from every other rank, so each token counts once) and compares them with the engines' behaviour
+log-probs on the response tokens sampled under `version`, the version those weights were published as (any other token
+is off-policy by design). With `whole_responses` (engines that keep their KV across versions,
+`rollout.kv_on_update=keep`) only responses sampled wholly under `version` count: a later token of a response begun
+under an older version was sampled over that version's KV, which the learner's weights do not reproduce. Every rank of
+the learner world must call it; all get the same metrics (`rollout_corr/parity_abs_mean`, `_abs_max`, `_tokens`), and
+all raise `ParityError` when the mean exceeds the tolerance, so a silent divergence (an engine computing with a stale
+copy of a weight, a sampler the learner does not reproduce) stops the job with a reason instead of training on wrong
+importance weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,8 +30,8 @@ class ParityError(RuntimeError):
 
 
 class ParityCheck:
-    def __init__(self, every: int, tolerance: float) -> None:
-        self.every, self.tolerance = every, tolerance
+    def __init__(self, every: int, tolerance: float, whole_responses: bool = False) -> None:
+        self.every, self.tolerance, self.whole_responses = every, tolerance, whole_responses
         self._pending = False
 
     def due(self, step: int) -> bool:
@@ -50,6 +54,8 @@ class ParityCheck:
                 continue
             as_t = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
             fresh = (as_t(mb.loss_weight) > 0) & (as_t(mb.behaviour_versions) == version)
+            if self.whole_responses:
+                fresh &= as_t(first_versions(mb)) == version
             gaps = (start_logp[id(mb)].double() - as_t(mb.behaviour_logprobs).double()).abs()[fresh]
             if gaps.numel():
                 sums += torch.stack([gaps.sum(), torch.tensor(float(gaps.numel()), device=device)])
@@ -73,3 +79,13 @@ class ParityCheck:
             "rollout_corr/parity_abs_max": float(largest),
             "rollout_corr/parity_tokens": count,
         }
+
+
+def first_versions(mb: MicroBatch) -> np.ndarray:
+    """int32[1, T]: at every position, the version its sequence's response began under (its oldest; -1 for a
+    sequence without response tokens)."""
+    lengths = np.diff(mb.cu_seqlens)
+    versions = mb.behaviour_versions[0]
+    oldest = np.minimum.reduceat(np.where(versions >= 0, versions, np.iinfo(np.int32).max), mb.cu_seqlens[:-1])
+    oldest = np.where(oldest == np.iinfo(np.int32).max, -1, oldest).astype(np.int32)
+    return np.repeat(oldest, lengths)[None]

@@ -82,7 +82,9 @@ class Trainer:
         self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         # Megatron's DDP wrappers (what the schedule runs) and optimizer; self.chunks stay the weights' owners.
         self.training = build_training(self.chunks, config.optimizer)
-        self.parity = ParityCheck(config.train.parity_every, config.train.parity_tolerance)
+        self.parity = ParityCheck(
+            config.train.parity_every, config.train.parity_tolerance, config.rollout.kv_on_update == "keep"
+        )
 
     def _microbatch_loss(
         self,

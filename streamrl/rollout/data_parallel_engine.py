@@ -14,12 +14,13 @@ Contract
 - The request table (`request_table.RequestTable`): `submit`, `pop_finished`, `generate`, `score` as for
   `VLLMEngine`. `step()` takes every output the ranks sent since the last call (waiting up to `_WAIT_S` for one) and
   stamps its tokens with `policy_version`.
-- `receive_version()`: vLLM's data-parallel pause (every rank stops stepping in the same step, running requests
-  kept), then the outputs the ranks made before it are all taken under the old version (`_flush`), then every worker
-  of every rank receives and loads the version from its weight groups (`worker_receiver`: vLLM's loaders keep each
-  worker's tensor-parallel slices and experts), every rank's prefix cache is reset with its running requests
-  restarted, `policy_version` is set, and the ranks resume together. A version whole on no rank raises RuntimeError
-  (the old one runs); in part, or different across ranks, `WeightsLost`; ranks that cannot be reached `EngineLost`.
+- `receive_version()`: vLLM's data-parallel pause (every rank stops stepping in the same step, running requests kept),
+  then the outputs the ranks made before it are all taken under the old version (`_flush`), then every worker of every
+  rank receives and loads the version from its weight groups (`worker_receiver`: vLLM's loaders keep each worker's
+  tensor-parallel slices and experts), every rank's prefix cache is reset with its running requests restarted (not with
+  `keep_kv`: `request_table`), `policy_version` is set, and the ranks resume together. A version whole on no rank raises
+  RuntimeError (the old one runs); in part, or different across ranks, `WeightsLost`; ranks that cannot be reached
+  `EngineLost`.
 - A rank whose process died takes the engine with it: `step()`, `submit()` and `receive_version()` raise `EngineLost`
   (vLLM's client is errored), and the rollout worker ends its process so that the fleet replaces the engine.
   `lost()` sees it without a call (vLLM's monitor of the ranks' processes), so an idle engine is replaced too.
@@ -79,6 +80,7 @@ class DataParallelEngine(RequestTable):
         record_routes: bool = False,
         trust_remote_code: bool = False,
         sleep_mode: bool = False,
+        keep_kv: bool = False,
         start_timeout_s: float = 600.0,
     ) -> None:
         if data_parallel < 2:
@@ -112,7 +114,7 @@ class DataParallelEngine(RequestTable):
             tensor_parallel_size=tensor_parallel,
             enable_expert_parallel=expert_parallel,
         )
-        self.sleep_mode = sleep_mode
+        self.sleep_mode, self.keep_kv = sleep_mode, keep_kv
         if sleep_mode:
             settings.update(enable_sleep_mode=True, gpu_memory_utilization=COLOCATED_STARTUP_FRACTION)
         self.llm = self._call(self._start(settings), start_timeout_s)
@@ -153,10 +155,7 @@ class DataParallelEngine(RequestTable):
         self._thread.join(10.0)
 
     # -- requests -----------------------------------------------------------------------------------
-    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        from vllm.inputs import TokensPrompt
-
-        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+    def _enqueue(self, request_id: str, prompt: Any, params: Any) -> None:
         with self._lost_if_dead("a request"):
             self._collectors[request_id] = self._control(self.llm.add_request(request_id, prompt, params), "a request")
 
@@ -244,9 +243,12 @@ class DataParallelEngine(RequestTable):
             if paused:
                 self._resume()
             raise
-        # Running requests recompute their KV under the new weights; no prefix computed by the old ones is kept.
-        if not all(self._control(self._on_every_rank("reset_prefix_cache", True, False), "a prefix cache reset")):
-            raise EngineLost("weights: a rank could not reset its prefix cache after a version")
+        # Running requests recompute their KV under the new weights; no prefix computed by the old ones is kept
+        # (with `keep_kv` they go on over their KV, and new requests are salted with the new version: `_prompt`).
+        if not self.keep_kv:
+            reset = self._on_every_rank("reset_prefix_cache", True, False)
+            if not all(self._control(reset, "a prefix cache reset")):
+                raise EngineLost("weights: a rank could not reset its prefix cache after a version")
         self.policy_version = version
         if paused:
             self._resume()

@@ -16,7 +16,8 @@ Contract
   `WeightReloadExtension` between two steps, then preempts running requests and drops the prefix
   cache (`reset_prefix_cache(reset_running_requests=True)`): requests in flight keep their
   sampled tokens and continue, recomputing their KV under the new weights, so no token is ever
-  sampled from a mix of versions. Only then is `policy_version` set; on failure the exception
+  sampled from a mix of versions (with `keep_kv` they go on over their KV instead: `request_table`).
+  Only then is `policy_version` set; on failure the exception
   propagates and both the weights and `policy_version` keep their old values.
 - An engine of several GPUs (`tensor_parallel` > 1, experts split over them with `expert_parallel`) runs vLLM's
   multiprocess executor, one worker process per GPU (the engine core stays in this process), or with `executor="ray"`
@@ -104,6 +105,7 @@ class VLLMEngine(RequestTable):
         engine_process: bool = False,
         async_scheduling: bool = False,
         executor: str = "mp",
+        keep_kv: bool = False,
     ) -> None:
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be positive, got {kv_cache_bytes}")
@@ -128,6 +130,7 @@ class VLLMEngine(RequestTable):
 
         self.workers = tensor_parallel
         self.engine_process = engine_process
+        self.keep_kv = keep_kv
         sharded: dict[str, Any] = (
             {
                 "tensor_parallel_size": tensor_parallel,
@@ -151,10 +154,8 @@ class VLLMEngine(RequestTable):
             **({"async_scheduling": True} if async_scheduling else {}),
         )
 
-    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        from vllm.inputs import TokensPrompt
-
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params)
+    def _enqueue(self, request_id: str, prompt: Any, params: Any) -> None:
+        self.llm.llm_engine.add_request(request_id, prompt, params)
 
     def step(self) -> None:
         """One engine step; the new tokens are stamped with the current policy version."""
@@ -218,7 +219,10 @@ class VLLMEngine(RequestTable):
 
     def _restart_requests(self) -> None:
         # Running requests are preempted and recompute their KV with the new weights; cached prefix
-        # blocks computed by the old weights are dropped. Without this a sequence would mix policies.
+        # blocks computed by the old weights are dropped. Without this a sequence would mix policies,
+        # as `keep_kv` asks: new requests are salted with their version instead (`_prompt`).
+        if self.keep_kv:
+            return
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("load_weights: vLLM could not reset the prefix cache")
 

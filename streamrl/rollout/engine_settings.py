@@ -32,6 +32,7 @@ def engine_settings(config: Config, engine_index: int = 0) -> dict[str, Any]:
         engine_process=rollout.engine_process,
         async_scheduling=rollout.async_scheduling,
         executor=rollout.executor,
+        keep_kv=rollout.kv_on_update == "keep",
     )
 
 
@@ -66,4 +67,5 @@ _DATA_PARALLEL_SETTINGS = (
     "record_routes",
     "trust_remote_code",
     "sleep_mode",
+    "keep_kv",
 )

@@ -3,13 +3,16 @@
 Contract
 --------
 - `RequestTable` is the base of the engines (`engine.VLLMEngine`: one vLLM engine driven step by step;
-  `data_parallel_engine.DataParallelEngine`: vLLM's data-parallel ranks). A subclass gives `_enqueue(request_id,
-  prompt_token_ids, params)` (hand one request to vLLM) and `step()`, which hands every output vLLM made since the last
+  `data_parallel_engine.DataParallelEngine`: vLLM's data-parallel ranks). A subclass gives `_enqueue(request_id, prompt,
+  params)` (hand one request to vLLM) and `step()`, which hands every output vLLM made since the last
   call to `_record` and must not return while outputs of the weights running before a version change are still
   untaken: `_record` stamps every token with `policy_version` as it is now.
 - `submit(request_id, prompt_ids, n, max_tokens, ...)` queues a prompt for `n` samples; `pop_finished()` hands back
   completed requests as lists of `Sample`s. `Sample.logprobs[i]` is the behaviour log-prob of `token_ids[i]` as
   sampled (`logprobs_mode="processed_logprobs"`: after temperature, and top-p/top-k renormalisation when set).
+- `keep_kv` (an engine started with `rollout.kv_on_update=keep`): requests in flight are not restarted at a version
+  (the subclass skips its cache reset), and every request is handed to vLLM with its version as the cache salt
+  (`_prompt`), so that a new request reuses no prefix block that older weights computed.
 - `generate(...)` and `score(...)` are built on the same table, so they can run while other requests are in flight
   without stealing their outputs.
 - Sleep (an engine started with `sleep_mode`, colocated on the learner's GPUs): `sleep()` frees the engine's GPU
@@ -81,6 +84,7 @@ class RequestTable(abc.ABC):
     """Requests in flight and finished, and the policy version the engine's weights correspond to."""
 
     sleep_mode = False  # set by a subclass started with vLLM's sleep mode
+    keep_kv = False  # set by a subclass started with kv_on_update="keep"
 
     def __init__(self) -> None:
         self._asleep: set[str] = set()  # what a sleeping engine has freed and not brought back yet
@@ -92,8 +96,8 @@ class RequestTable(abc.ABC):
         self.outputs_recorded = 0  # vLLM's outputs of requests in the table so far (the rollout worker's stall watch)
 
     @abc.abstractmethod
-    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        """Hand one request to vLLM."""
+    def _enqueue(self, request_id: str, prompt: Any, params: Any) -> None:
+        """Hand one request (`prompt`: vLLM's `TokensPrompt`) to vLLM."""
 
     @abc.abstractmethod
     def step(self) -> None:
@@ -172,8 +176,17 @@ class RequestTable(abc.ABC):
     def _add(self, request_id: str, prompt_token_ids: list[int], params: Any, n: int) -> None:
         if request_id in self._running or request_id in self._finished:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._enqueue(request_id, list(prompt_token_ids), params)
+        self._enqueue(request_id, self._prompt(list(prompt_token_ids)), params)
         self._running[request_id] = [Sample() for _ in range(n)]
+
+    def _prompt(self, prompt_token_ids: list[int]) -> Any:
+        """vLLM's prompt of these tokens; with `keep_kv` salted with the current version, as vLLM's prefix cache keeps
+        the blocks of every version (none is dropped at a version then) and hashes the salt into a prompt's first."""
+        from vllm.inputs import TokensPrompt
+
+        if self.keep_kv:
+            return TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=f"v{self.policy_version}")
+        return TokensPrompt(prompt_token_ids=prompt_token_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self._running)

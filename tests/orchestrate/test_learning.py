@@ -137,9 +137,16 @@ def test_learning(tmp_path: Path) -> None:
         # and falls back to loading the staged version (streaming itself: tests/weights).
         ["model.init_if_missing.arch=llama", "rollout.weight_apply=streamed"],
         # vLLM's engine core in a process of its own: its worker receives the versions, loaded with its scheduler
-        # paused between two steps while requests run; the learner's sequences split over two context-parallel
-        # ranks (zigzag shards; keys/values all-gathered).
-        ["rollout.engine_process=true", "learner.context_parallel=2"],
+        # paused between two steps while requests run, which go on over their KV (`kv_on_update=keep`: the score
+        # below, a new request, is salted with the new version and reuses no block of the old one); the in-job
+        # parity check on every step; the learner's sequences split over two context-parallel ranks (zigzag
+        # shards; keys/values all-gathered).
+        [
+            "rollout.engine_process=true",
+            "rollout.kv_on_update=keep",
+            "train.parity_every=1",
+            "learner.context_parallel=2",
+        ],
     ],
     ids=[
         "tied-qwen2-tp2-drain",
@@ -147,7 +154,7 @@ def test_learning(tmp_path: Path) -> None:
         "pp2",
         "mixtral-ep2-allgather",
         "llama3-rope-tied-streamed",
-        "engine-process-cp2",
+        "engine-process-keep-kv-cp2",
     ],
 )
 def test_logprob_parity(tmp_path: Path, layout: list[str], request: pytest.FixtureRequest) -> None:

@@ -203,3 +203,55 @@ def test_the_kv_cache_holds_the_tokens_the_plan_says(vllm_engine: VLLMEngine, ti
     cache = vllm_engine.llm.llm_engine.vllm_config.cache_config
     per_token = kv_cache_bytes_per_token(hf, "float32", 1)
     assert cache.num_gpu_blocks * cache.block_size == DEFAULT_KV_CACHE_BYTES // per_token
+
+
+def test_keep_kv_goes_on_over_the_old_kv_and_salts_new_prompts(
+    vllm_engine: VLLMEngine, tiny_model_dir: Path, seed1_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rollout.kv_on_update=keep`: a request running across an update is not preempted and samples its later tokens
+    over the KV the old weights made (so their log-probs are not those of a recompute under the new weights); a new
+    request reuses no prefix block of the old version (its log-probs are the new weights' own), but one of its own."""
+    block = vllm_engine.llm.llm_engine.vllm_config.cache_config.block_size
+    words = _encode(tiny_model_dir, " ".join(f"word{i}" for i in range(block)))
+    prompt = words[: block + 4]  # one whole block: what the prefix cache keeps
+    assert len(prompt) == block + 4
+    cached: dict[str, int] = {}
+    record = vllm_engine._record
+
+    def record_cached(outputs):  # what vLLM says each request found in the prefix cache
+        outputs = list(outputs)
+        for request_id, out in outputs:
+            if out.num_cached_tokens is not None:
+                cached.setdefault(request_id, out.num_cached_tokens)
+        record(outputs)
+
+    monkeypatch.setattr(vllm_engine, "_record", record_cached)
+    monkeypatch.setattr(vllm_engine, "keep_kv", True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the engine's device, as a receiver stages them
+    staged = lambda model: [(n, t.detach().to(device)) for n, t in model.named_parameters()]  # noqa: E731
+    # The old weights are the seed-0 model's, whatever the shared engine held: the new ones then differ.
+    old = vllm_engine.policy_version + 1
+    vllm_engine.load_weights(old, staged(_hf_model(tiny_model_dir)))
+    vllm_engine.submit("across", prompt, n=1, max_tokens=12, seed=7, exact_length=12)
+    for _ in range(3):
+        vllm_engine.step()
+    new_model = _hf_model(seed1_model_dir)
+    vllm_engine.load_weights(old + 1, staged(new_model))
+    scheduler = vllm_engine.llm.llm_engine.engine_core.engine_core.scheduler
+    assert [r.num_preemptions for r in scheduler.running] == [0]  # not restarted
+    vllm_engine.submit("new", prompt, n=1, max_tokens=4, seed=8, exact_length=4)
+    vllm_engine.step()  # its prompt's blocks are computed (and cached) under the new version
+    vllm_engine.submit("again", prompt, n=1, max_tokens=4, seed=9, exact_length=4)
+    while vllm_engine.has_unfinished():
+        vllm_engine.step()
+    finished = vllm_engine.pop_finished(["across", "new", "again"])
+    assert cached["new"] == 0 and cached["again"] >= block  # the salt: no old block reused, the new version's are
+    (across,) = finished["across"]
+    assert across.versions == [old] * 3 + [old + 1] * 9
+    recomputed = _hf_logprobs(new_model, prompt + across.token_ids[:3], across.token_ids[3:])
+    assert max(abs(a - e) for a, e in zip(across.logprobs[3:], recomputed, strict=True)) > 1e-2
+    tolerance = 1e-3 if torch.cuda.is_available() else 1e-4  # GPU kernels against HF on the CPU
+    for name in ("new", "again"):
+        (sample,) = finished[name]
+        expected = _hf_logprobs(new_model, prompt, sample.token_ids)
+        assert max(abs(a - e) for a, e in zip(sample.logprobs, expected, strict=True)) < tolerance
