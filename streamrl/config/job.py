@@ -142,7 +142,9 @@ class TrainConfig(_Section):
         0,
         ge=0,
         description="Every this many steps, compare the engines' log-probs with the learner's on the tokens sampled "
-        "with the weights the step starts from, and fail the job past train.parity_tolerance; 0 never checks.",
+        "with the weights the step starts from, and fail the job past train.parity_tolerance; 0 never checks. A step "
+        "without such tokens passes the check on to the next (rollout_corr/parity_tokens 0): in async mode only groups "
+        "of policy lag 0 have them, which a full backlog may never leave.",
     )
     parity_tolerance: float = Field(
         1e-3,
